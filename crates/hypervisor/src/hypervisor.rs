@@ -1,0 +1,82 @@
+use std::fmt;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::{CpuidEntry, HypervisorError, Result, Vm};
+
+/// Which in-kernel hypervisor to drive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccelKind {
+    /// The first one this host has.
+    Auto,
+    Kvm,
+    Bhyve,
+}
+
+impl fmt::Display for AccelKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AccelKind::Auto => "auto",
+            AccelKind::Kvm => "kvm",
+            AccelKind::Bhyve => "bhyve",
+        })
+    }
+}
+
+/// What the accelerator offers. `None` means the kernel does not say.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Capabilities {
+    pub accelerator: String,
+    /// Kernel module or flavour behind the accelerator (e.g. `kvm_intel`, `kvm_amd`, `kvm_pvm`).
+    pub backend: String,
+    pub api_version: i32,
+    pub max_vcpus: usize,
+    pub max_memslots: usize,
+    pub irqchip_kernel: bool,
+    pub irqchip_split: bool,
+    pub msi_injection: bool,
+    pub dirty_log_bitmap: bool,
+    /// Largest dirty ring in bytes; 0 when the kernel has no dirty ring.
+    pub dirty_log_ring_bytes: u64,
+    pub dirty_log_manual_protect: bool,
+    pub x2apic_api: bool,
+    pub user_space_msr: bool,
+    pub immediate_exit: bool,
+    pub xsave: bool,
+    pub xcrs: bool,
+    pub vcpu_events: bool,
+    pub tsc_control: bool,
+    /// TPR writes are absorbed by hardware (VMX TPR shadow / flexpriority, or AVIC).
+    pub tpr_shadow: Option<bool>,
+    /// APIC-register virtualization (VMX APICv / AMD AVIC).
+    pub apic_virtualization: Option<bool>,
+    pub posted_interrupts: Option<bool>,
+}
+
+/// The accelerator: reports its capabilities and creates VMs.
+pub trait Hypervisor: Send + Sync {
+    fn kind(&self) -> AccelKind;
+    fn capabilities(&self) -> Capabilities;
+    fn create_vm(&self) -> Result<Arc<dyn Vm>>;
+    /// CPUID leaves the kernel can present to a guest.
+    fn supported_cpuid(&self) -> Result<Vec<CpuidEntry>>;
+    /// MSRs whose state the kernel keeps per vCPU (what a snapshot must save).
+    fn msr_index_list(&self) -> Result<Vec<u32>>;
+}
+
+/// Opens the accelerator the user asked for.
+pub fn open_accelerator(kind: AccelKind) -> Result<Box<dyn Hypervisor>> {
+    match kind {
+        AccelKind::Kvm => Ok(Box::new(crate::kvm::KvmHypervisor::new()?)),
+        AccelKind::Auto => match crate::kvm::KvmHypervisor::new() {
+            Ok(kvm) => Ok(Box::new(kvm)),
+            Err(err) => Err(HypervisorError::Unsupported(format!(
+                "no accelerator found (kvm: {err}; bhyve: /dev/vmm is absent)"
+            ))),
+        },
+        AccelKind::Bhyve => Err(HypervisorError::Unsupported(
+            "bhyve (/dev/vmm is absent; the bhyve backend runs on FreeBSD only)".into(),
+        )),
+    }
+}

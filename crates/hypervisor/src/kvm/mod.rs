@@ -1,0 +1,573 @@
+//! The Linux KVM backend (kvm-ioctls / kvm-bindings).
+
+mod convert;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kvm_bindings::{
+    kvm_clock_data, kvm_cpuid_entry2, kvm_enable_cap, kvm_msi, kvm_msr_entry, kvm_pit_config,
+    kvm_run, kvm_userspace_memory_region, kvm_xcr, kvm_xcrs, kvm_xsave, CpuId, Msrs,
+    KVM_CPUID_FLAG_SIGNIFCANT_INDEX, KVM_INTERNAL_ERROR_EMULATION, KVM_MAX_CPUID_ENTRIES,
+    KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY, KVM_SYSTEM_EVENT_RESET,
+    KVM_SYSTEM_EVENT_SHUTDOWN,
+};
+use kvm_ioctls::{Cap, Kvm, VcpuExit as KvmExit, VcpuFd, VmFd};
+
+use crate::kick;
+use crate::{
+    AccelKind, Capabilities, ClockData, CpuidEntry, FpuState, Hypervisor, HypervisorError,
+    IrqChipMode, LapicState, MemoryRegion, MpState, MsiMessage, MsrEntry, Result, SpecialRegisters,
+    StandardRegisters, Vcpu, VcpuEvents, VcpuExit, VcpuKicker, Vm, Xcr, XsaveState,
+};
+use convert::*;
+
+const KVM_DEVICE: &str = "/dev/kvm";
+/// Addresses KVM needs on Intel for real-mode emulation; inside the 32-bit MMIO hole, far
+/// from anything ferrovm maps.
+const TSS_ADDRESS: usize = 0xfffb_d000;
+const IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
+
+fn ioctl_err(op: &'static str) -> impl FnOnce(vmm_sys_util::errno::Error) -> HypervisorError {
+    move |e| HypervisorError::ioctl(op, e)
+}
+
+pub struct KvmHypervisor {
+    kvm: Kvm,
+}
+
+impl KvmHypervisor {
+    pub fn new() -> Result<Self> {
+        if !Path::new(KVM_DEVICE).exists() {
+            return Err(HypervisorError::DeviceUnavailable {
+                path: KVM_DEVICE.into(),
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+            });
+        }
+        let kvm = Kvm::new().map_err(|e| HypervisorError::DeviceUnavailable {
+            path: KVM_DEVICE.into(),
+            source: std::io::Error::from_raw_os_error(e.errno()),
+        })?;
+        Ok(KvmHypervisor { kvm })
+    }
+
+    /// Which vendor module implements KVM here, from the modules the kernel has loaded.
+    fn vendor_module() -> &'static str {
+        ["kvm_intel", "kvm_amd", "kvm_pvm"]
+            .into_iter()
+            .find(|m| Path::new("/sys/module").join(m).exists())
+            .unwrap_or("unknown")
+    }
+
+    fn module_flag(module: &str, param: &str) -> Option<bool> {
+        let text =
+            std::fs::read_to_string(format!("/sys/module/{module}/parameters/{param}")).ok()?;
+        Some(matches!(text.trim(), "Y" | "y" | "1"))
+    }
+}
+
+impl Hypervisor for KvmHypervisor {
+    fn kind(&self) -> AccelKind {
+        AccelKind::Kvm
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let kvm = &self.kvm;
+        let backend = Self::vendor_module();
+        // TPR shadowing and APIC virtualisation are hardware features that KVM uses without
+        // an API to query them; the vendor module's parameters say whether they are on.
+        let (tpr_shadow, apicv, posted) = match backend {
+            "kvm_intel" => {
+                let apicv = Self::module_flag("kvm_intel", "enable_apicv");
+                (Self::module_flag("kvm_intel", "flexpriority"), apicv, apicv)
+            }
+            "kvm_amd" => {
+                let avic = Self::module_flag("kvm_amd", "avic");
+                (avic, avic, avic)
+            }
+            // PVM has no hardware virtualisation: every TPR write is emulated.
+            "kvm_pvm" => (Some(false), Some(false), Some(false)),
+            _ => (None, None, None),
+        };
+        Capabilities {
+            accelerator: "kvm".into(),
+            backend: backend.into(),
+            api_version: kvm.get_api_version(),
+            max_vcpus: kvm.get_max_vcpus(),
+            max_memslots: kvm.get_nr_memslots(),
+            irqchip_kernel: kvm.check_extension(Cap::Irqchip),
+            irqchip_split: kvm.check_extension(Cap::SplitIrqchip),
+            msi_injection: kvm.check_extension(Cap::SignalMsi),
+            dirty_log_bitmap: true,
+            dirty_log_ring_bytes: kvm.check_extension_int(Cap::DirtyLogRing).max(0) as u64,
+            dirty_log_manual_protect: kvm
+                .check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into())
+                > 0,
+            x2apic_api: kvm.check_extension(Cap::X2ApicApi),
+            user_space_msr: kvm.check_extension(Cap::X86UserSpaceMsr),
+            immediate_exit: kvm.check_extension(Cap::ImmediateExit),
+            xsave: kvm.check_extension(Cap::Xsave),
+            xcrs: kvm.check_extension(Cap::Xcrs),
+            vcpu_events: kvm.check_extension(Cap::VcpuEvents),
+            tsc_control: kvm.check_extension(Cap::TscControl),
+            tpr_shadow,
+            apic_virtualization: apicv,
+            posted_interrupts: posted,
+        }
+    }
+
+    fn create_vm(&self) -> Result<Arc<dyn Vm>> {
+        let fd = self.kvm.create_vm().map_err(ioctl_err("KVM_CREATE_VM"))?;
+        // Only Intel needs these; other vendor modules may refuse them, which is harmless.
+        if let Err(e) = fd.set_tss_address(TSS_ADDRESS) {
+            log::debug!("KVM_SET_TSS_ADDR not taken: {e}");
+        }
+        if let Err(e) = fd.set_identity_map_address(IDENTITY_MAP_ADDRESS) {
+            log::debug!("KVM_SET_IDENTITY_MAP_ADDR not taken: {e}");
+        }
+        Ok(Arc::new(KvmVm { fd }))
+    }
+
+    fn supported_cpuid(&self) -> Result<Vec<CpuidEntry>> {
+        let cpuid = self
+            .kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(ioctl_err("KVM_GET_SUPPORTED_CPUID"))?;
+        Ok(cpuid
+            .as_slice()
+            .iter()
+            .map(|e| CpuidEntry {
+                function: e.function,
+                index: e.index,
+                significant_index: e.flags & KVM_CPUID_FLAG_SIGNIFCANT_INDEX != 0,
+                eax: e.eax,
+                ebx: e.ebx,
+                ecx: e.ecx,
+                edx: e.edx,
+            })
+            .collect())
+    }
+
+    fn msr_index_list(&self) -> Result<Vec<u32>> {
+        let list = self
+            .kvm
+            .get_msr_index_list()
+            .map_err(ioctl_err("KVM_GET_MSR_INDEX_LIST"))?;
+        Ok(list.as_slice().to_vec())
+    }
+}
+
+pub struct KvmVm {
+    fd: VmFd,
+}
+
+impl Vm for KvmVm {
+    unsafe fn map_memory(&self, region: &MemoryRegion) -> Result<()> {
+        let mut flags = 0;
+        if region.readonly {
+            flags |= KVM_MEM_READONLY;
+        }
+        if region.log_dirty {
+            flags |= KVM_MEM_LOG_DIRTY_PAGES;
+        }
+        let kvm_region = kvm_userspace_memory_region {
+            slot: region.slot,
+            flags,
+            guest_phys_addr: region.guest_addr,
+            memory_size: region.size,
+            userspace_addr: region.host_addr,
+        };
+        // SAFETY: the caller guarantees the host range stays mapped for the VM's lifetime.
+        unsafe { self.fd.set_user_memory_region(kvm_region) }
+            .map_err(ioctl_err("KVM_SET_USER_MEMORY_REGION"))
+    }
+
+    fn create_irqchip(&self, mode: IrqChipMode) -> Result<()> {
+        match mode {
+            IrqChipMode::Kernel => {
+                self.fd
+                    .create_irq_chip()
+                    .map_err(ioctl_err("KVM_CREATE_IRQCHIP"))?;
+                let pit = kvm_pit_config {
+                    flags: KVM_PIT_SPEAKER_DUMMY,
+                    ..Default::default()
+                };
+                self.fd
+                    .create_pit2(pit)
+                    .map_err(ioctl_err("KVM_CREATE_PIT2"))
+            }
+            IrqChipMode::Split { ioapic_pins } => {
+                let mut cap = kvm_enable_cap {
+                    cap: kvm_bindings::KVM_CAP_SPLIT_IRQCHIP,
+                    ..Default::default()
+                };
+                cap.args[0] = u64::from(ioapic_pins);
+                self.fd
+                    .enable_cap(&cap)
+                    .map_err(ioctl_err("KVM_ENABLE_CAP(KVM_CAP_SPLIT_IRQCHIP)"))
+            }
+        }
+    }
+
+    fn create_vcpu(&self, id: u32) -> Result<Box<dyn Vcpu>> {
+        let mut fd = self
+            .fd
+            .create_vcpu(u64::from(id))
+            .map_err(ioctl_err("KVM_CREATE_VCPU"))?;
+        let run: *mut kvm_run = fd.get_kvm_run();
+        Ok(Box::new(KvmVcpu {
+            fd,
+            id,
+            run,
+            kicker_bound: false,
+        }))
+    }
+
+    fn set_irq_line(&self, gsi: u32, level: bool) -> Result<()> {
+        self.fd
+            .set_irq_line(gsi, level)
+            .map_err(ioctl_err("KVM_IRQ_LINE"))
+    }
+
+    fn signal_msi(&self, msi: MsiMessage) -> Result<()> {
+        let msg = kvm_msi {
+            address_lo: msi.address as u32,
+            address_hi: (msi.address >> 32) as u32,
+            data: msi.data,
+            ..Default::default()
+        };
+        // A return of 0 means the interrupt was blocked by the guest (e.g. masked); that is
+        // the guest's choice, not an error.
+        self.fd
+            .signal_msi(msg)
+            .map(|_| ())
+            .map_err(ioctl_err("KVM_SIGNAL_MSI"))
+    }
+
+    fn dirty_log(&self, slot: u32, size: u64) -> Result<Vec<u64>> {
+        self.fd
+            .get_dirty_log(slot, size as usize)
+            .map_err(ioctl_err("KVM_GET_DIRTY_LOG"))
+    }
+
+    fn clock(&self) -> Result<ClockData> {
+        let c = self.fd.get_clock().map_err(ioctl_err("KVM_GET_CLOCK"))?;
+        Ok(ClockData {
+            clock_ns: c.clock,
+            flags: c.flags,
+        })
+    }
+
+    fn set_clock(&self, clock: &ClockData) -> Result<()> {
+        let c = kvm_clock_data {
+            clock: clock.clock_ns,
+            ..Default::default()
+        };
+        self.fd.set_clock(&c).map_err(ioctl_err("KVM_SET_CLOCK"))
+    }
+}
+
+pub struct KvmVcpu {
+    fd: VcpuFd,
+    id: u32,
+    /// The vCPU's shared `kvm_run` page; lives as long as `fd`.
+    run: *mut kvm_run,
+    kicker_bound: bool,
+}
+
+// SAFETY: `run` points into the mmap owned by `fd`, which moves with the struct; the page is
+// only written by this vCPU's thread and, for `immediate_exit`, by the kick signal handler
+// running on that same thread.
+unsafe impl Send for KvmVcpu {}
+
+impl Drop for KvmVcpu {
+    fn drop(&mut self) {
+        if self.kicker_bound {
+            kick::unbind_current_thread();
+        }
+    }
+}
+
+/// Reads the kernel's description of an internal error out of the `kvm_run` page.
+///
+/// # Safety
+/// `run` must be a live `kvm_run` page right after a KVM_EXIT_INTERNAL_ERROR.
+unsafe fn internal_error_detail(run: *const kvm_run) -> String {
+    {
+        // SAFETY: guaranteed by the caller.
+        let internal = unsafe { (*run).__bindgen_anon_1.internal };
+        let n = (internal.ndata as usize).min(internal.data.len());
+        let kind = if internal.suberror == KVM_INTERNAL_ERROR_EMULATION {
+            "instruction emulation failed"
+        } else {
+            "internal error"
+        };
+        format!(
+            "{kind} (suberror {}, data {:x?})",
+            internal.suberror,
+            &internal.data[..n]
+        )
+    }
+}
+
+fn msr_entries(msrs: &[MsrEntry]) -> Result<Msrs> {
+    let entries: Vec<kvm_msr_entry> = msrs
+        .iter()
+        .map(|m| kvm_msr_entry {
+            index: m.index,
+            data: m.data,
+            ..Default::default()
+        })
+        .collect();
+    Msrs::from_entries(&entries).map_err(|_| HypervisorError::Invalid("too many MSRs".into()))
+}
+
+impl Vcpu for KvmVcpu {
+    fn id(&self) -> u32 {
+        self.id
+    }
+
+    fn run(&mut self) -> Result<VcpuExit<'_>> {
+        // Raw pointer copy: the exit borrows `fd`, and the page must still be reachable.
+        let run = self.run;
+        let interrupted = match self.fd.run() {
+            Ok(exit) => Some(exit),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
+            Err(e) => return Err(HypervisorError::ioctl("KVM_RUN", e)),
+        };
+        let Some(exit) = interrupted else {
+            // SAFETY: `run` is valid for the life of `fd` (see the field's comment).
+            unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(0) };
+            return Ok(VcpuExit::Interrupted);
+        };
+        Ok(match exit {
+            KvmExit::IoIn(port, data) => VcpuExit::IoIn { port, data },
+            KvmExit::IoOut(port, data) => VcpuExit::IoOut { port, data },
+            KvmExit::MmioRead(addr, data) => VcpuExit::MmioRead { addr, data },
+            KvmExit::MmioWrite(addr, data) => VcpuExit::MmioWrite { addr, data },
+            KvmExit::X86Rdmsr(msr) => VcpuExit::MsrRead {
+                index: msr.index,
+                value: msr.data,
+                error: msr.error,
+            },
+            KvmExit::X86Wrmsr(msr) => VcpuExit::MsrWrite {
+                index: msr.index,
+                value: msr.data,
+                error: msr.error,
+            },
+            KvmExit::Hlt => VcpuExit::Halt,
+            KvmExit::Shutdown => VcpuExit::Shutdown,
+            KvmExit::SystemEvent(kind, _) => match kind {
+                KVM_SYSTEM_EVENT_RESET => VcpuExit::Reset,
+                KVM_SYSTEM_EVENT_SHUTDOWN => VcpuExit::PowerOff,
+                other => VcpuExit::Unsupported(format!("KVM system event {other}")),
+            },
+            KvmExit::IoapicEoi(vector) => VcpuExit::IoapicEoi { vector },
+            KvmExit::Intr | KvmExit::IrqWindowOpen => VcpuExit::Spurious,
+            KvmExit::FailEntry(reason, _) => VcpuExit::FailEntry { reason },
+            KvmExit::InternalError => VcpuExit::InternalError {
+                // SAFETY: `run` is live and the exit is KVM_EXIT_INTERNAL_ERROR.
+                detail: unsafe { internal_error_detail(run) },
+            },
+            other => VcpuExit::Unsupported(format!("{other:?}")),
+        })
+    }
+
+    fn bind_kicker(&mut self) -> Result<VcpuKicker> {
+        // SAFETY: the byte lives in the kvm_run page owned by `fd`; Drop unbinds it before
+        // the page goes away, and the vCPU is run on this thread from now on.
+        let kicker = unsafe {
+            kick::bind_current_thread(std::ptr::addr_of_mut!((*self.run).immediate_exit))
+        }?;
+        self.kicker_bound = true;
+        Ok(kicker)
+    }
+
+    fn regs(&self) -> Result<StandardRegisters> {
+        let r = self.fd.get_regs().map_err(ioctl_err("KVM_GET_REGS"))?;
+        Ok(regs_from_kvm(&r))
+    }
+
+    fn set_regs(&self, regs: &StandardRegisters) -> Result<()> {
+        self.fd
+            .set_regs(&regs_to_kvm(regs))
+            .map_err(ioctl_err("KVM_SET_REGS"))
+    }
+
+    fn sregs(&self) -> Result<SpecialRegisters> {
+        let s = self.fd.get_sregs().map_err(ioctl_err("KVM_GET_SREGS"))?;
+        Ok(sregs_from_kvm(&s))
+    }
+
+    fn set_sregs(&self, sregs: &SpecialRegisters) -> Result<()> {
+        let current = self.fd.get_sregs().map_err(ioctl_err("KVM_GET_SREGS"))?;
+        self.fd
+            .set_sregs(&sregs_to_kvm(sregs, &current))
+            .map_err(ioctl_err("KVM_SET_SREGS"))
+    }
+
+    fn fpu(&self) -> Result<FpuState> {
+        let f = self.fd.get_fpu().map_err(ioctl_err("KVM_GET_FPU"))?;
+        Ok(fpu_from_kvm(&f))
+    }
+
+    fn set_fpu(&self, fpu: &FpuState) -> Result<()> {
+        self.fd
+            .set_fpu(&fpu_to_kvm(fpu))
+            .map_err(ioctl_err("KVM_SET_FPU"))
+    }
+
+    fn xsave(&self) -> Result<XsaveState> {
+        let x = self.fd.get_xsave().map_err(ioctl_err("KVM_GET_XSAVE"))?;
+        Ok(XsaveState {
+            region: x.region.to_vec(),
+        })
+    }
+
+    fn set_xsave(&self, xsave: &XsaveState) -> Result<()> {
+        let mut x = kvm_xsave::default();
+        for (dst, src) in x.region.iter_mut().zip(&xsave.region) {
+            *dst = *src;
+        }
+        // SAFETY: `x` is a plain 4 KiB XSAVE buffer with no trailing flexible data.
+        unsafe { self.fd.set_xsave(&x) }.map_err(ioctl_err("KVM_SET_XSAVE"))
+    }
+
+    fn xcrs(&self) -> Result<Vec<Xcr>> {
+        let x = self.fd.get_xcrs().map_err(ioctl_err("KVM_GET_XCRS"))?;
+        let n = (x.nr_xcrs as usize).min(x.xcrs.len());
+        Ok(x.xcrs[..n]
+            .iter()
+            .map(|x| Xcr {
+                index: x.xcr,
+                value: x.value,
+            })
+            .collect())
+    }
+
+    fn set_xcrs(&self, xcrs: &[Xcr]) -> Result<()> {
+        let mut k = kvm_xcrs::default();
+        if xcrs.len() > k.xcrs.len() {
+            return Err(HypervisorError::Invalid(format!("{} XCRs", xcrs.len())));
+        }
+        k.nr_xcrs = xcrs.len() as u32;
+        for (dst, src) in k.xcrs.iter_mut().zip(xcrs) {
+            *dst = kvm_xcr {
+                xcr: src.index,
+                reserved: 0,
+                value: src.value,
+            };
+        }
+        self.fd.set_xcrs(&k).map_err(ioctl_err("KVM_SET_XCRS"))
+    }
+
+    fn msrs(&self, indices: &[u32]) -> Result<Vec<MsrEntry>> {
+        let mut out = Vec::with_capacity(indices.len());
+        let mut rest: Vec<MsrEntry> = indices
+            .iter()
+            .map(|&index| MsrEntry { index, data: 0 })
+            .collect();
+        // KVM_GET_MSRS stops at the first MSR it cannot read: keep what was read, skip the
+        // offender, and go on with the rest.
+        while !rest.is_empty() {
+            let chunk: Vec<MsrEntry> = rest
+                .iter()
+                .take(kvm_bindings::KVM_MAX_MSR_ENTRIES)
+                .copied()
+                .collect();
+            let mut msrs = msr_entries(&chunk)?;
+            let read = self
+                .fd
+                .get_msrs(&mut msrs)
+                .map_err(ioctl_err("KVM_GET_MSRS"))?;
+            out.extend(msrs.as_slice()[..read].iter().map(|e| MsrEntry {
+                index: e.index,
+                data: e.data,
+            }));
+            let consumed = if read < chunk.len() { read + 1 } else { read };
+            rest.drain(..consumed);
+        }
+        Ok(out)
+    }
+
+    fn set_msrs(&self, msrs: &[MsrEntry]) -> Result<()> {
+        for chunk in msrs.chunks(kvm_bindings::KVM_MAX_MSR_ENTRIES) {
+            let entries = msr_entries(chunk)?;
+            let written = self
+                .fd
+                .set_msrs(&entries)
+                .map_err(ioctl_err("KVM_SET_MSRS"))?;
+            if written != chunk.len() {
+                return Err(HypervisorError::Invalid(format!(
+                    "the kernel refused MSR {:#x}",
+                    chunk[written].index
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn set_cpuid(&self, entries: &[CpuidEntry]) -> Result<()> {
+        let entries: Vec<kvm_cpuid_entry2> = entries
+            .iter()
+            .map(|e| kvm_cpuid_entry2 {
+                function: e.function,
+                index: e.index,
+                flags: if e.significant_index {
+                    KVM_CPUID_FLAG_SIGNIFCANT_INDEX
+                } else {
+                    0
+                },
+                eax: e.eax,
+                ebx: e.ebx,
+                ecx: e.ecx,
+                edx: e.edx,
+                ..Default::default()
+            })
+            .collect();
+        let cpuid = CpuId::from_entries(&entries)
+            .map_err(|_| HypervisorError::Invalid("too many CPUID entries".into()))?;
+        self.fd
+            .set_cpuid2(&cpuid)
+            .map_err(ioctl_err("KVM_SET_CPUID2"))
+    }
+
+    fn lapic(&self) -> Result<LapicState> {
+        let l = self.fd.get_lapic().map_err(ioctl_err("KVM_GET_LAPIC"))?;
+        Ok(lapic_from_kvm(&l))
+    }
+
+    fn set_lapic(&self, lapic: &LapicState) -> Result<()> {
+        self.fd
+            .set_lapic(&lapic_to_kvm(lapic))
+            .map_err(ioctl_err("KVM_SET_LAPIC"))
+    }
+
+    fn mp_state(&self) -> Result<MpState> {
+        let m = self
+            .fd
+            .get_mp_state()
+            .map_err(ioctl_err("KVM_GET_MP_STATE"))?;
+        Ok(mp_state_from_kvm(m))
+    }
+
+    fn set_mp_state(&self, state: MpState) -> Result<()> {
+        self.fd
+            .set_mp_state(mp_state_to_kvm(state))
+            .map_err(ioctl_err("KVM_SET_MP_STATE"))
+    }
+
+    fn vcpu_events(&self) -> Result<VcpuEvents> {
+        let e = self
+            .fd
+            .get_vcpu_events()
+            .map_err(ioctl_err("KVM_GET_VCPU_EVENTS"))?;
+        Ok(events_from_kvm(&e))
+    }
+
+    fn set_vcpu_events(&self, events: &VcpuEvents) -> Result<()> {
+        self.fd
+            .set_vcpu_events(&events_to_kvm(events))
+            .map_err(ioctl_err("KVM_SET_VCPU_EVENTS"))
+    }
+}
