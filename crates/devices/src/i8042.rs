@@ -1,0 +1,302 @@
+//! The PS/2 controller, reduced to what a keyboard-less VM needs: the CPU
+//! reset line, and enough of the controller protocol that a guest driver
+//! probing it gets quick, consistent answers instead of waiting for
+//! timeouts.
+//!
+//! Guests reset a PC by pulsing the i8042's reset output (command 0xFE on
+//! port 0x64): it is among the methods Linux tries on reboot (`reboot=k`),
+//! and what most bare-metal code uses. There is
+//! no keyboard or mouse behind it and no IRQ 1: bytes sent to the devices
+//! are dropped, so drivers conclude nothing is connected.
+
+use std::sync::{Arc, Mutex};
+
+use crate::bus::{Bus, BusDevice, BusError};
+use crate::exit::{ExitReason, ExitRequest};
+
+/// Data port (read: output buffer, write: device data / command parameter).
+pub const DATA_PORT: u64 = 0x60;
+/// Status (read) / command (write) port.
+pub const COMMAND_PORT: u64 = 0x64;
+
+/// Device offsets: the device is inserted at both ports with offsets equal
+/// to `port - 0x60`, so port 0x61 (system control port B) stays free.
+const DATA_OFFSET: u64 = 0;
+const COMMAND_OFFSET: u64 = COMMAND_PORT - DATA_PORT;
+
+// Status register bits.
+const STATUS_OBF: u8 = 0x01;
+const STATUS_SYS: u8 = 0x04;
+const STATUS_CMD: u8 = 0x08;
+const STATUS_UNLOCKED: u8 = 0x10;
+
+// Controller configuration byte bits.
+const CTR_KBD_INT: u8 = 0x01;
+const CTR_SYS: u8 = 0x04;
+const CTR_KBD_DISABLE: u8 = 0x10;
+const CTR_AUX_DISABLE: u8 = 0x20;
+const CTR_XLATE: u8 = 0x40;
+
+// Controller commands.
+const CMD_READ_CTR: u8 = 0x20;
+const CMD_WRITE_CTR: u8 = 0x60;
+const CMD_AUX_DISABLE: u8 = 0xa7;
+const CMD_AUX_ENABLE: u8 = 0xa8;
+const CMD_AUX_TEST: u8 = 0xa9;
+const CMD_SELF_TEST: u8 = 0xaa;
+const CMD_KBD_TEST: u8 = 0xab;
+const CMD_KBD_DISABLE: u8 = 0xad;
+const CMD_KBD_ENABLE: u8 = 0xae;
+const CMD_READ_OUTPUT_PORT: u8 = 0xd0;
+const CMD_WRITE_OUTPUT_PORT: u8 = 0xd1;
+const CMD_WRITE_KBD_OUTBUF: u8 = 0xd2;
+const CMD_WRITE_AUX_OUTBUF: u8 = 0xd3;
+const CMD_WRITE_AUX: u8 = 0xd4;
+
+/// Output port bit 0 drives the CPU reset line (active low).
+const OUTPUT_PORT_RESET: u8 = 0x01;
+/// Output port as read back: reset line high, A20 enabled.
+const OUTPUT_PORT_DEFAULT: u8 = 0x03;
+
+/// Guest-visible state, for snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct I8042State {
+    /// Controller configuration byte ("command byte").
+    pub ctr: u8,
+    /// Byte waiting in the output buffer, if any.
+    pub output: Option<u8>,
+    /// A command written to port 0x64 that takes a parameter byte on 0x60.
+    pub pending_command: Option<u8>,
+    /// Whether the last byte written went to the command port.
+    pub last_write_was_command: bool,
+}
+
+impl Default for I8042State {
+    fn default() -> Self {
+        I8042State {
+            ctr: CTR_KBD_INT | CTR_SYS | CTR_XLATE,
+            output: None,
+            pending_command: None,
+            last_write_was_command: false,
+        }
+    }
+}
+
+/// The i8042 controller.
+#[derive(Debug)]
+pub struct I8042 {
+    state: I8042State,
+    exit: Arc<ExitRequest>,
+}
+
+impl I8042 {
+    /// A controller whose reset line ends the VM through `exit`.
+    pub fn new(exit: Arc<ExitRequest>) -> Self {
+        I8042 {
+            state: I8042State::default(),
+            exit,
+        }
+    }
+
+    /// Moves the controller onto `bus` at ports 0x60 and 0x64 (only those).
+    pub fn register(self, bus: &mut Bus) -> Result<Arc<Mutex<Self>>, BusError> {
+        let dev = Arc::new(Mutex::new(self));
+        bus.insert_with_offset(dev.clone(), DATA_PORT, 1, DATA_OFFSET)?;
+        bus.insert_with_offset(dev.clone(), COMMAND_PORT, 1, COMMAND_OFFSET)?;
+        Ok(dev)
+    }
+
+    /// The guest-visible state.
+    pub fn state(&self) -> I8042State {
+        self.state
+    }
+
+    /// Restores a state captured by [`I8042::state`].
+    pub fn restore(&mut self, state: &I8042State) {
+        self.state = *state;
+    }
+
+    fn status(&self) -> u8 {
+        let mut s = STATUS_UNLOCKED;
+        if self.state.output.is_some() {
+            s |= STATUS_OBF;
+        }
+        if self.state.ctr & CTR_SYS != 0 {
+            s |= STATUS_SYS;
+        }
+        if self.state.last_write_was_command {
+            s |= STATUS_CMD;
+        }
+        s
+    }
+
+    fn reset(&self) {
+        log::debug!("i8042: guest pulsed the CPU reset line");
+        self.exit.request(ExitReason::Reset);
+    }
+
+    fn command(&mut self, cmd: u8) {
+        self.state.last_write_was_command = true;
+        self.state.pending_command = None;
+        match cmd {
+            CMD_READ_CTR => self.state.output = Some(self.state.ctr),
+            // The rest of the controller RAM reads as zero.
+            0x21..=0x3f => self.state.output = Some(0),
+            CMD_WRITE_CTR..=0x7f
+            | CMD_WRITE_OUTPUT_PORT
+            | CMD_WRITE_KBD_OUTBUF
+            | CMD_WRITE_AUX_OUTBUF
+            | CMD_WRITE_AUX => self.state.pending_command = Some(cmd),
+            CMD_AUX_DISABLE => self.state.ctr |= CTR_AUX_DISABLE,
+            CMD_AUX_ENABLE => self.state.ctr &= !CTR_AUX_DISABLE,
+            // No mouse: report "clock line stuck low" so the probe fails fast.
+            CMD_AUX_TEST => self.state.output = Some(0x01),
+            CMD_SELF_TEST => self.state.output = Some(0x55),
+            CMD_KBD_TEST => self.state.output = Some(0x00),
+            CMD_KBD_DISABLE => self.state.ctr |= CTR_KBD_DISABLE,
+            CMD_KBD_ENABLE => self.state.ctr &= !CTR_KBD_DISABLE,
+            CMD_READ_OUTPUT_PORT => self.state.output = Some(OUTPUT_PORT_DEFAULT),
+            // 0xf0-0xff pulse output port bits 0-3 where the command has a 0;
+            // bit 0 is the reset line. 0xfe is the classic reset.
+            0xf0..=0xff if cmd & OUTPUT_PORT_RESET == 0 => self.reset(),
+            _ => {}
+        }
+    }
+
+    fn data(&mut self, value: u8) {
+        self.state.last_write_was_command = false;
+        match self.state.pending_command.take() {
+            Some(CMD_WRITE_CTR) => self.state.ctr = value,
+            Some(CMD_WRITE_OUTPUT_PORT) if value & OUTPUT_PORT_RESET == 0 => self.reset(),
+            Some(CMD_WRITE_KBD_OUTBUF) => self.state.output = Some(value),
+            // RAM bytes other than the CTR, output port writes that keep
+            // the reset line high, bytes for the (absent) mouse.
+            Some(_) => {}
+            // A byte for the (absent) keyboard.
+            None => {}
+        }
+    }
+}
+
+impl BusDevice for I8042 {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        let Some((first, rest)) = data.split_first_mut() else {
+            return;
+        };
+        *first = match offset {
+            // Real hardware repeats the last byte when the buffer is empty;
+            // nobody should rely on it, and 0 reads as "no key".
+            DATA_OFFSET => self.state.output.take().unwrap_or(0),
+            COMMAND_OFFSET => self.status(),
+            _ => 0xff,
+        };
+        rest.fill(0xff);
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        let Some(&value) = data.first() else {
+            return;
+        };
+        match offset {
+            DATA_OFFSET => self.data(value),
+            COMMAND_OFFSET => self.command(value),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup() -> (Arc<ExitRequest>, Bus, Arc<Mutex<I8042>>) {
+        let exit = Arc::new(ExitRequest::new().unwrap());
+        let mut bus = Bus::new();
+        let dev = I8042::new(exit.clone()).register(&mut bus).unwrap();
+        (exit, bus, dev)
+    }
+
+    fn inb(bus: &Bus, port: u64) -> u8 {
+        let mut d = [0u8];
+        assert!(bus.read(port, &mut d), "port {port:#x} unclaimed");
+        d[0]
+    }
+
+    #[test]
+    fn reset_via_fe() {
+        let (exit, bus, _) = setup();
+        assert!(bus.write(COMMAND_PORT, &[0xff])); // pulses nothing
+        assert!(!exit.is_requested());
+        assert!(bus.write(COMMAND_PORT, &[0xfe]));
+        assert_eq!(exit.reason(), Some(ExitReason::Reset));
+    }
+
+    #[test]
+    fn reset_via_output_port() {
+        let (exit, bus, _) = setup();
+        bus.write(COMMAND_PORT, &[CMD_WRITE_OUTPUT_PORT]);
+        bus.write(DATA_PORT, &[0x03]);
+        assert!(!exit.is_requested());
+        bus.write(COMMAND_PORT, &[CMD_WRITE_OUTPUT_PORT]);
+        bus.write(DATA_PORT, &[0x02]);
+        assert_eq!(exit.reason(), Some(ExitReason::Reset));
+    }
+
+    #[test]
+    fn status_and_probe() {
+        let (exit, bus, dev) = setup();
+        let st = inb(&bus, COMMAND_PORT);
+        assert_eq!(st & (STATUS_OBF | 0x02), 0, "no data, input buffer empty");
+        assert_ne!(st, 0xff, "present");
+        assert!(!bus.is_claimed(0x61) && !bus.is_claimed(0x62));
+
+        bus.write(COMMAND_PORT, &[CMD_SELF_TEST]);
+        assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, STATUS_OBF);
+        assert_eq!(inb(&bus, DATA_PORT), 0x55);
+        assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, 0);
+
+        bus.write(COMMAND_PORT, &[CMD_READ_CTR]);
+        let ctr = inb(&bus, DATA_PORT);
+        bus.write(COMMAND_PORT, &[CMD_WRITE_CTR]);
+        bus.write(DATA_PORT, &[ctr & !CTR_KBD_INT]);
+        bus.write(COMMAND_PORT, &[CMD_READ_CTR]);
+        assert_eq!(inb(&bus, DATA_PORT), ctr & !CTR_KBD_INT);
+
+        // Keyboard bytes vanish.
+        bus.write(DATA_PORT, &[0xf2]);
+        assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, 0);
+        assert!(!exit.is_requested());
+
+        let s = dev.lock().unwrap().state();
+        let mut other = I8042::new(Arc::new(ExitRequest::new().unwrap()));
+        other.restore(&s);
+        assert_eq!(other.state(), s);
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        let mut rng = crate::test_util::XorShift(42);
+        let (exit, bus, dev) = setup();
+        let mut buf = [0u8; 8];
+        for _ in 0..20_000 {
+            let port = 0x5e + rng.next() % 10;
+            let size = (rng.next() % 5) as usize;
+            for b in buf.iter_mut() {
+                *b = rng.next() as u8;
+            }
+            if rng.next() & 1 == 0 {
+                bus.read(port, &mut buf[..size]);
+            } else {
+                bus.write(port, &buf[..size]);
+            }
+        }
+        let mut d = dev.lock().unwrap();
+        d.read(u64::MAX, &mut buf);
+        d.write(2, &buf);
+        d.read(0, &mut []);
+        d.write(4, &[]);
+        drop(d);
+        // Random commands may well have pulsed the reset line; fine.
+        let _ = exit.reason();
+    }
+}

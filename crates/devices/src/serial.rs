@@ -1,0 +1,444 @@
+//! The 16550A UART the guest console talks to (COM1, ports 0x3f8-0x3ff).
+//!
+//! The register model is `vm_superio::Serial`; this module adds what the
+//! machine needs around it: where the output goes (`--serial
+//! stdio|file:PATH|none`), a pluggable interrupt line (so the UART works
+//! before any interrupt controller exists and is wired to IRQ 4 once one
+//! does), a host-input path, and state capture for snapshots.
+
+use std::convert::Infallible;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use vm_superio::serial::NoEvents;
+use vm_superio::{Serial, SerialState, Trigger};
+
+use crate::bus::{Bus, BusDevice, BusError};
+
+/// First port of COM1.
+pub const COM1_BASE: u64 = 0x3f8;
+/// Number of ports a 16550 decodes (at any base).
+pub const UART_LEN: u64 = 8;
+/// The ISA IRQ COM1 is wired to on a PC.
+pub const COM1_IRQ: u32 = 4;
+
+/// An interrupt line a device can pulse.
+///
+/// Edge semantics: `trigger` means "the interrupt condition just arose".
+/// An implementation for a level-triggered controller input pulses it
+/// (assert, then deassert). Errors are the implementation's to report: a
+/// device cannot do anything useful about a failed injection.
+pub trait IrqLine: Send + Sync {
+    /// Signal the interrupt.
+    fn trigger(&self);
+}
+
+/// An interrupt line connected to nothing, for machines (or tests) without
+/// an interrupt controller model yet; the guest then polls the UART.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoIrq;
+
+impl IrqLine for NoIrq {
+    fn trigger(&self) {}
+}
+
+impl<T: IrqLine + ?Sized> IrqLine for Arc<T> {
+    fn trigger(&self) {
+        (**self).trigger()
+    }
+}
+
+/// With KVM, an eventfd registered as an irqfd for a GSI is the interrupt
+/// line: writing it injects without leaving the kernel's fast path.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+impl IrqLine for vmm_sys_util::eventfd::EventFd {
+    fn trigger(&self) {
+        if let Err(e) = self.write(1) {
+            log::warn!("serial: cannot signal interrupt eventfd: {e}");
+        }
+    }
+}
+
+/// Adapts an [`IrqLine`] to `vm_superio`'s `Trigger`.
+struct IrqTrigger(Arc<dyn IrqLine>);
+
+impl Trigger for IrqTrigger {
+    type E = Infallible;
+    fn trigger(&self) -> Result<(), Infallible> {
+        self.0.trigger();
+        Ok(())
+    }
+}
+
+/// Where guest output goes, as chosen on the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SerialOutput {
+    /// The VMM's standard output.
+    Stdout,
+    /// A file, created or truncated when the device is built.
+    File(PathBuf),
+    /// Discarded (`--serial none`).
+    Sink,
+}
+
+/// Why a serial device could not be built or restored.
+#[derive(Debug, thiserror::Error)]
+pub enum SerialError {
+    /// The output file could not be created.
+    #[error("cannot create serial output file {}: {source}", path.display())]
+    OpenOutput {
+        /// The file named by `--serial file:PATH`.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// A saved state holds more input than the UART's FIFO can.
+    #[error("serial state has {len} bytes of pending input, more than the FIFO holds")]
+    FifoOverflow {
+        /// Bytes of input in the state.
+        len: usize,
+    },
+}
+
+/// The writer behind the UART. Every byte is written (and flushed) when the
+/// guest writes it, so output is never lost if the VMM dies.
+enum Out {
+    Stdout(io::Stdout),
+    Writer(Box<dyn Write + Send>),
+    Discard,
+}
+
+impl Write for Out {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Out::Stdout(s) => s.write(buf),
+            Out::Writer(w) => w.write(buf),
+            Out::Discard => Ok(buf.len()),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Out::Stdout(s) => s.flush(),
+            Out::Writer(w) => w.flush(),
+            Out::Discard => Ok(()),
+        }
+    }
+}
+
+/// A 16550A UART on the I/O bus.
+pub struct SerialDevice {
+    uart: Serial<IrqTrigger, NoEvents, Out>,
+    /// Output errors are logged once, not once per byte.
+    output_error_logged: bool,
+}
+
+impl std::fmt::Debug for SerialDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SerialDevice")
+            .field("state", &self.uart.state())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SerialDevice {
+    /// A UART writing to `output`, interrupting through `irq`.
+    pub fn new(output: &SerialOutput, irq: Arc<dyn IrqLine>) -> Result<Self, SerialError> {
+        let sink = match output {
+            SerialOutput::Stdout => Out::Stdout(io::stdout()),
+            SerialOutput::File(path) => Out::Writer(Box::new(open_output(path)?)),
+            SerialOutput::Sink => Out::Discard,
+        };
+        Ok(Self::from_sink(sink, irq))
+    }
+
+    /// A UART writing to any writer (a pipe, an in-memory buffer in tests).
+    pub fn with_writer(out: Box<dyn Write + Send>, irq: Arc<dyn IrqLine>) -> Self {
+        Self::from_sink(Out::Writer(out), irq)
+    }
+
+    fn from_sink(sink: Out, irq: Arc<dyn IrqLine>) -> Self {
+        SerialDevice {
+            uart: Serial::new(IrqTrigger(irq), sink),
+            output_error_logged: false,
+        }
+    }
+
+    /// Moves the device into an `Arc<Mutex<_>>` claiming COM1's ports on
+    /// `bus`; keep the returned handle for input and snapshots.
+    pub fn register_com1(self, bus: &mut Bus) -> Result<Arc<Mutex<Self>>, BusError> {
+        self.register_at(bus, COM1_BASE)
+    }
+
+    /// Like [`SerialDevice::register_com1`], at another base (COM2 is 0x2f8).
+    pub fn register_at(self, bus: &mut Bus, base: u64) -> Result<Arc<Mutex<Self>>, BusError> {
+        let dev = Arc::new(Mutex::new(self));
+        bus.insert(dev.clone(), base, UART_LEN)?;
+        Ok(dev)
+    }
+
+    /// Connects the UART to a (new) interrupt line, keeping its registers
+    /// and pending input. An interrupt already pending and enabled is
+    /// signalled on the new line.
+    pub fn set_irq_line(&mut self, irq: Arc<dyn IrqLine>) {
+        let state = self.uart.state();
+        self.rebuild(&state, irq);
+    }
+
+    /// Queues host input (e.g. from stdin) for the guest to read; returns
+    /// how many bytes fit in the FIFO. The rest must be offered again later,
+    /// when [`SerialDevice::fifo_capacity`] says there is room.
+    pub fn enqueue_raw_bytes(&mut self, input: &[u8]) -> usize {
+        // The only possible error is a full FIFO (the trigger is infallible),
+        // which means nothing was taken.
+        self.uart.enqueue_raw_bytes(input).unwrap_or(0)
+    }
+
+    /// Free space in the receive FIFO.
+    pub fn fifo_capacity(&self) -> usize {
+        self.uart.fifo_capacity()
+    }
+
+    /// The guest-visible state, for snapshots.
+    pub fn state(&self) -> SerialState {
+        self.uart.state()
+    }
+
+    /// Restores a state captured by [`SerialDevice::state`], keeping the
+    /// current output and interrupt line.
+    pub fn restore(&mut self, state: &SerialState) -> Result<(), SerialError> {
+        if state.in_buffer.len() > self.uart.fifo_capacity() + self.uart.state().in_buffer.len() {
+            return Err(SerialError::FifoOverflow {
+                len: state.in_buffer.len(),
+            });
+        }
+        let irq = self.uart.interrupt_evt().0.clone();
+        self.rebuild(state, irq);
+        Ok(())
+    }
+
+    /// Recreates the `vm_superio` model from `state`, moving the sink over.
+    fn rebuild(&mut self, state: &SerialState, irq: Arc<dyn IrqLine>) {
+        let placeholder = Serial::new(IrqTrigger(Arc::new(NoIrq)), Out::Discard);
+        let old = std::mem::replace(&mut self.uart, placeholder);
+        let sink = old.into_writer();
+        self.uart = match Serial::from_state(state, IrqTrigger(irq.clone()), NoEvents, sink) {
+            Ok(uart) => uart,
+            Err(e) => {
+                // Unreachable: the caller checked the FIFO size, the trigger
+                // cannot fail, and the sink was moved into the failed call,
+                // so fall back to a reset UART rather than panic.
+                log::error!("serial: cannot rebuild UART ({e}); resetting it");
+                Serial::new(IrqTrigger(irq), Out::Discard)
+            }
+        };
+    }
+
+    fn write_byte(&mut self, offset: u8, value: u8) {
+        if let Err(e) = self.uart.write(offset, value) {
+            if !self.output_error_logged {
+                self.output_error_logged = true;
+                log::warn!("serial: guest output lost: {e}");
+            }
+        }
+    }
+}
+
+fn open_output(path: &Path) -> Result<File, SerialError> {
+    File::create(path).map_err(|source| SerialError::OpenOutput {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+impl BusDevice for SerialDevice {
+    /// A wider-than-byte access is split into byte accesses to consecutive
+    /// registers, as an 8-bit ISA device sees it.
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = match reg(offset, i) {
+                Some(r) => self.uart.read(r),
+                None => 0xff,
+            };
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        for (i, &b) in data.iter().enumerate() {
+            if let Some(r) = reg(offset, i) {
+                self.write_byte(r, b);
+            }
+        }
+    }
+}
+
+/// The register index of byte `i` of an access at `offset`, if it is one.
+fn reg(offset: u64, i: usize) -> Option<u8> {
+    let r = offset.checked_add(u64::try_from(i).ok()?)?;
+    if r < UART_LEN {
+        u8::try_from(r).ok()
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Default)]
+    struct CountIrq(AtomicUsize);
+    impl IrqLine for CountIrq {
+        fn trigger(&self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[derive(Clone, Default)]
+    struct SharedBuf(Arc<Mutex<Vec<u8>>>);
+    impl Write for SharedBuf {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn tmp_path(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("ferrovm-devices-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn file_sink_gets_bytes() {
+        let path = tmp_path("serial.txt");
+        std::fs::write(&path, b"old contents that must go").unwrap();
+        let mut bus = Bus::new();
+        let dev = SerialDevice::new(&SerialOutput::File(path.clone()), Arc::new(NoIrq))
+            .unwrap()
+            .register_com1(&mut bus)
+            .unwrap();
+        for &b in b"Hello, ferrovm\n" {
+            assert!(bus.write(COM1_BASE, &[b]));
+        }
+        // Line status: transmitter empty, so a polling guest keeps going.
+        let mut lsr = [0u8];
+        assert!(bus.read(COM1_BASE + 5, &mut lsr));
+        assert_eq!(lsr[0] & 0x60, 0x60);
+        drop(dev);
+        drop(bus);
+        assert_eq!(std::fs::read(&path).unwrap(), b"Hello, ferrovm\n");
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn bad_output_path_is_named() {
+        let path = PathBuf::from("/nonexistent-dir/ferrovm/serial.log");
+        let err = SerialDevice::new(&SerialOutput::File(path), Arc::new(NoIrq)).unwrap_err();
+        assert!(err
+            .to_string()
+            .contains("/nonexistent-dir/ferrovm/serial.log"));
+    }
+
+    #[test]
+    fn none_and_stdout_sinks() {
+        let mut none = SerialDevice::new(&SerialOutput::Sink, Arc::new(NoIrq)).unwrap();
+        none.write(0, b"dropped");
+        let mut out = SerialDevice::new(&SerialOutput::Stdout, Arc::new(NoIrq)).unwrap();
+        out.write(7, &[0x5a]); // scratch register, no output
+        let mut d = [0u8];
+        out.read(7, &mut d);
+        assert_eq!(d[0], 0x5a);
+    }
+
+    #[test]
+    fn input_and_interrupts() {
+        let irq = Arc::new(CountIrq::default());
+        let buf = SharedBuf::default();
+        let mut dev = SerialDevice::with_writer(Box::new(buf.clone()), irq.clone());
+        // Enable the received-data interrupt.
+        dev.write(1, &[0x01]);
+        assert_eq!(dev.enqueue_raw_bytes(b"ab"), 2);
+        assert_eq!(irq.0.load(Ordering::SeqCst), 1);
+        let mut d = [0u8];
+        dev.read(5, &mut d);
+        assert_eq!(d[0] & 1, 1, "data ready");
+        dev.read(0, &mut d);
+        assert_eq!(d[0], b'a');
+        dev.read(0, &mut d);
+        assert_eq!(d[0], b'b');
+        dev.read(5, &mut d);
+        assert_eq!(d[0] & 1, 0);
+
+        // Fill the FIFO: the excess is refused, not dropped silently.
+        let big = vec![b'x'; 1000];
+        let took = dev.enqueue_raw_bytes(&big);
+        assert!(took < big.len());
+        assert_eq!(dev.fifo_capacity(), 0);
+        assert_eq!(dev.enqueue_raw_bytes(b"y"), 0);
+
+        // Swap the interrupt line; the pending RX interrupt is re-signalled.
+        let irq2 = Arc::new(CountIrq::default());
+        dev.set_irq_line(irq2.clone());
+        assert_eq!(irq2.0.load(Ordering::SeqCst), 1);
+        assert_eq!(dev.fifo_capacity(), 0);
+
+        dev.write(0, b"z");
+        assert_eq!(&*buf.0.lock().unwrap(), b"z");
+    }
+
+    #[test]
+    fn state_round_trip() {
+        let mut dev = SerialDevice::new(&SerialOutput::Sink, Arc::new(NoIrq)).unwrap();
+        dev.write(3, &[0x83]); // DLAB
+        dev.write(0, &[0x01]);
+        dev.write(3, &[0x03]);
+        dev.write(7, &[0x42]);
+        dev.enqueue_raw_bytes(b"q");
+        let s = dev.state();
+        let mut other = SerialDevice::new(&SerialOutput::Sink, Arc::new(NoIrq)).unwrap();
+        other.restore(&s).unwrap();
+        assert_eq!(other.state(), s);
+        let mut bad = s.clone();
+        bad.in_buffer = vec![0; 100_000];
+        assert!(matches!(
+            other.restore(&bad),
+            Err(SerialError::FifoOverflow { .. })
+        ));
+        assert_eq!(other.state(), s);
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        let mut rng = crate::test_util::XorShift(12345);
+        let mut bus = Bus::new();
+        let irq = Arc::new(CountIrq::default());
+        let dev = SerialDevice::with_writer(Box::new(io::sink()), irq)
+            .register_com1(&mut bus)
+            .unwrap();
+        let mut buf = [0u8; 16];
+        for _ in 0..50_000 {
+            let port = COM1_BASE - 2 + rng.next() % 12;
+            let size = (rng.next() % 9) as usize;
+            for b in buf.iter_mut() {
+                *b = rng.next() as u8;
+            }
+            if rng.next() & 1 == 0 {
+                bus.read(port, &mut buf[..size]);
+            } else {
+                bus.write(port, &buf[..size]);
+            }
+            if rng.next().is_multiple_of(64) {
+                dev.lock().unwrap().enqueue_raw_bytes(&buf[..size]);
+            }
+        }
+        // Direct calls with offsets the bus would never produce.
+        let mut d = dev.lock().unwrap();
+        d.read(u64::MAX, &mut buf);
+        d.write(u64::MAX - 3, &buf);
+        d.write(6, &buf);
+    }
+}
