@@ -1,3 +1,49 @@
-fn main() {
-    println!("Hello, world!");
+//! `ferrovm`: the command-line program.
+//!
+//! Exit status of `run`: `(v << 1) | 1` when the guest writes `v` to the debug-exit port,
+//! 0 on guest reset or power-off, 2 on any error (one line on stderr naming the cause),
+//! 128 + signal number when stopped by SIGINT or SIGTERM.
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use cli::{Cli, Command};
+
+/// Status for every VMM error, so scripts can tell a broken setup from a guest result.
+const STATUS_ERROR: u8 = 2;
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().filter_or("FERROVM_LOG", "warn"))
+        .format_timestamp_micros()
+        .init();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => return cli::report_usage_error(err),
+    };
+    match run(cli) {
+        Ok(status) => ExitCode::from(status),
+        Err(err) => {
+            // One line: the chain of causes joined, so the user sees what to fix.
+            eprintln!("ferrovm: {err:#}");
+            ExitCode::from(STATUS_ERROR)
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<u8> {
+    match cli.command {
+        Command::Run(args) => {
+            let config = args.into_config()?;
+            let outcome = vmm::run(config)?;
+            Ok(outcome.exit_status())
+        }
+        Command::Accel(args) => {
+            cli::print_accel(&args)?;
+            Ok(0)
+        }
+        Command::Ctl(_) => anyhow::bail!("ctl: not supported yet"),
+    }
 }

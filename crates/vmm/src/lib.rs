@@ -1,14 +1,11 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Assembles a machine from a [`config::VmConfig`] and runs it until the guest or the
+//! operator ends it.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod config;
+mod error;
+mod machine;
+pub mod memory;
+mod vcpu;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use error::{Error, Result};
+pub use machine::{run, Outcome};

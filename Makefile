@@ -1,0 +1,46 @@
+# ferrovm: build, demo, tests, benchmarks.
+#   make run    builds everything and boots the bundled demo guest
+#   make test   runs the whole suite (format, lint, unit and guest-booting tests)
+
+CARGO ?= cargo
+GUESTS_DIR := target/guests
+FERROVM := target/release/ferrovm
+
+.PHONY: all deps build guests run test check-kvm fmt-check clippy unit-tests clean
+
+all: build
+
+# Everything the build needs that a fresh machine of this kind may lack.
+deps:
+	@./scripts/install-deps.sh
+
+guests: deps
+	$(MAKE) -C guests O=$(CURDIR)/$(GUESTS_DIR)
+
+build: deps guests
+	$(CARGO) build --release --workspace
+
+run: build
+	$(FERROVM) run --kernel $(GUESTS_DIR)/hello.elf --cmdline "console=ttyS0 greeting=hello" --memory 256M
+
+check-kvm:
+	@if [ ! -c /dev/kvm ]; then \
+		echo "==================================================================" >&2; \
+		echo "ERROR: /dev/kvm is missing. The guest-booting tests need KVM;"       >&2; \
+		echo "they are run, not skipped, and they will fail on this machine."     >&2; \
+		echo "==================================================================" >&2; \
+	fi
+
+fmt-check: deps
+	$(CARGO) fmt --all -- --check
+
+clippy: deps
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+test: deps guests check-kvm fmt-check clippy
+	$(CARGO) build --workspace
+	FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) $(CARGO) test --workspace
+
+clean:
+	$(CARGO) clean
+	$(MAKE) -C guests O=$(CURDIR)/$(GUESTS_DIR) clean

@@ -1,0 +1,235 @@
+//! The command line, as DESIGN.md fixes it. Options that ferrovm does not implement yet are
+//! accepted by the parser and refused with "not supported yet", never ignored.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use hypervisor::AccelKind;
+use vmm::config::{parse_memory_size, parse_serial, IrqChipKind, VmConfig};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ferrovm",
+    version,
+    about = "A virtual machine monitor for KVM and bhyve"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Boot a guest kernel.
+    Run(RunArgs),
+    /// Control a running ferrovm through its API socket.
+    Ctl(CtlArgs),
+    /// Show the accelerator found and its capabilities.
+    Accel(AccelArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum IrqChipArg {
+    Kernel,
+    Split,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum AccelArg {
+    Auto,
+    Kvm,
+    Bhyve,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Kernel image: Linux bzImage, PVH ELF or Multiboot v1 ELF.
+    #[arg(long, value_name = "FILE")]
+    pub kernel: PathBuf,
+    /// Kernel command line.
+    #[arg(long, value_name = "S", default_value = "")]
+    pub cmdline: String,
+    /// Initial ramdisk.
+    #[arg(long, value_name = "FILE")]
+    pub initrd: Option<PathBuf>,
+    /// Number of vCPUs.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub cpus: u32,
+    /// Guest RAM, e.g. 512M or 2G (a bare number means MiB).
+    #[arg(long, value_name = "SIZE", default_value = "256M")]
+    pub memory: String,
+    /// Where the interrupt controllers live.
+    #[arg(long, value_enum, default_value = "kernel")]
+    pub irqchip: IrqChipArg,
+    /// Accelerator.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub accel: AccelArg,
+    /// Serial console: stdio, file:PATH or none.
+    #[arg(long, value_name = "stdio|file:PATH|none", default_value = "stdio")]
+    pub serial: String,
+    /// Block device backed by a file.
+    #[arg(long, value_name = "PATH[,readonly]")]
+    pub disk: Option<String>,
+    /// Network device on a tap interface.
+    #[arg(long, value_name = "tap=NAME")]
+    pub net: Option<String>,
+    /// Serve the control API on this Unix socket.
+    #[arg(long, value_name = "PATH")]
+    pub api_socket: Option<PathBuf>,
+    /// Lock guest RAM in host memory.
+    #[arg(long)]
+    pub wired: bool,
+    /// Wait for an incoming live migration.
+    #[arg(long, value_name = "tcp:HOST:PORT", conflicts_with = "restore")]
+    pub incoming: Option<String>,
+    /// Restore a snapshot.
+    #[arg(long, value_name = "FILE")]
+    pub restore: Option<PathBuf>,
+}
+
+impl RunArgs {
+    pub fn into_config(self) -> anyhow::Result<VmConfig> {
+        let unsupported = [
+            ("--disk", self.disk.is_some()),
+            ("--net", self.net.is_some()),
+            ("--api-socket", self.api_socket.is_some()),
+            ("--incoming", self.incoming.is_some()),
+            ("--restore", self.restore.is_some()),
+        ];
+        if let Some((option, _)) = unsupported.iter().find(|(_, given)| *given) {
+            bail!("{option}: not supported yet");
+        }
+        if self.cpus == 0 {
+            bail!("--cpus 0: a guest needs at least one vCPU");
+        }
+        let memory = parse_memory_size(&self.memory)?;
+        let mut config = VmConfig::new(self.kernel);
+        config.memory_text = self.memory;
+        config.memory = memory;
+        config.cmdline = self.cmdline;
+        config.initrd = self.initrd;
+        config.cpus = self.cpus;
+        config.irqchip = match self.irqchip {
+            IrqChipArg::Kernel => IrqChipKind::Kernel,
+            IrqChipArg::Split => IrqChipKind::Split,
+        };
+        config.accel = match self.accel {
+            AccelArg::Auto => AccelKind::Auto,
+            AccelArg::Kvm => AccelKind::Kvm,
+            AccelArg::Bhyve => AccelKind::Bhyve,
+        };
+        config.serial = parse_serial(&self.serial)?;
+        config.wired = self.wired;
+        Ok(config)
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct CtlArgs {
+    /// The API socket of the ferrovm to control.
+    #[arg(long, value_name = "PATH")]
+    pub api_socket: PathBuf,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// status | pause | resume | shutdown | snapshot FILE | migrate tcp:HOST:PORT ...
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    pub request: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct AccelArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Accelerator to query.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub accel: AccelArg,
+}
+
+pub fn print_accel(args: &AccelArgs) -> anyhow::Result<()> {
+    let kind = match args.accel {
+        AccelArg::Auto => AccelKind::Auto,
+        AccelArg::Kvm => AccelKind::Kvm,
+        AccelArg::Bhyve => AccelKind::Bhyve,
+    };
+    let hv = hypervisor::open_accelerator(kind).context("accelerator")?;
+    let caps = hv.capabilities();
+    if args.json {
+        println!("{}", serde_json::to_string(&caps)?);
+        return Ok(());
+    }
+    let yes_no = |b: bool| if b { "yes" } else { "no" };
+    let maybe = |b: Option<bool>| match b {
+        Some(b) => yes_no(b),
+        None => "not reported by the kernel",
+    };
+    println!(
+        "accelerator:               {} ({})",
+        caps.accelerator, caps.backend
+    );
+    println!("api version:               {}", caps.api_version);
+    println!("max vCPUs:                 {}", caps.max_vcpus);
+    println!("memory slots:              {}", caps.max_memslots);
+    println!("in-kernel irqchip:         {}", yes_no(caps.irqchip_kernel));
+    println!("split irqchip:             {}", yes_no(caps.irqchip_split));
+    println!("MSI injection:             {}", yes_no(caps.msi_injection));
+    println!(
+        "dirty log (bitmap):        {}",
+        yes_no(caps.dirty_log_bitmap)
+    );
+    println!(
+        "dirty log (ring):          {}",
+        if caps.dirty_log_ring_bytes > 0 {
+            format!("yes, up to {} bytes", caps.dirty_log_ring_bytes)
+        } else {
+            "no".into()
+        }
+    );
+    println!(
+        "dirty log manual protect:  {}",
+        yes_no(caps.dirty_log_manual_protect)
+    );
+    println!("x2APIC API:                {}", yes_no(caps.x2apic_api));
+    println!("user-space MSR exits:      {}", yes_no(caps.user_space_msr));
+    println!("immediate exit:            {}", yes_no(caps.immediate_exit));
+    println!(
+        "XSAVE / XCRs:              {} / {}",
+        yes_no(caps.xsave),
+        yes_no(caps.xcrs)
+    );
+    println!("TSC control:               {}", yes_no(caps.tsc_control));
+    println!("TPR shadowing:             {}", maybe(caps.tpr_shadow));
+    println!(
+        "APIC virtualization:       {}",
+        maybe(caps.apic_virtualization)
+    );
+    println!(
+        "posted interrupts:         {}",
+        maybe(caps.posted_interrupts)
+    );
+    Ok(())
+}
+
+/// Help and version go to stdout with status 0; every other parse error is one line on
+/// stderr with status 2.
+pub fn report_usage_error(err: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        err.kind(),
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
+    ) {
+        let _ = err.print();
+        return ExitCode::SUCCESS;
+    }
+    let rendered = err.render().to_string();
+    let first = rendered
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("invalid command line")
+        .trim_start_matches("error: ");
+    eprintln!("ferrovm: {first}");
+    ExitCode::from(2)
+}

@@ -1,0 +1,34 @@
+use std::path::PathBuf;
+
+/// Why a VM could not be built or run. Every variant names the file, option or value at
+/// fault, so the command line can print one line that tells the user what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{option} {value}: {reason}")]
+    Option {
+        option: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("{option}: not supported yet")]
+    NotSupportedYet { option: &'static str },
+    #[error("{}: {reason}", path.display())]
+    File { path: PathBuf, reason: String },
+    #[error("accelerator: {0}")]
+    Hypervisor(#[from] hypervisor::HypervisorError),
+    #[error("guest memory: {0}")]
+    Memory(String),
+    #[error("kernel {}: {source}", path.display())]
+    Kernel {
+        path: PathBuf,
+        source: boot::LoadError,
+    },
+    #[error("devices: {0}")]
+    Devices(String),
+    #[error("vCPU {id}: {reason}")]
+    Vcpu { id: u32, reason: String },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

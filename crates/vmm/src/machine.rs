@@ -1,0 +1,353 @@
+//! The machine: accelerator, memory, devices, boot, vCPU threads and the main loop.
+
+use std::fs::File;
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
+
+use devices::bus::{Bus, IoDispatcher};
+use devices::debug_exit::DebugExit;
+use devices::exit::{ExitReason, ExitRequest};
+use devices::fw_cfg::FwCfg;
+use devices::i8042::I8042;
+use devices::serial::{NoIrq, SerialDevice, SerialOutput as SerialSink};
+use hypervisor::{open_accelerator, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu, Vm};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::config::{IrqChipKind, SerialOutput, VmConfig};
+use crate::error::{Error, Result};
+use crate::memory::{self, GuestMemory};
+use crate::vcpu::{self, VcpuContext, VcpuThread};
+
+/// How the machine ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Guest(ExitReason),
+    /// Stopped by SIGINT or SIGTERM.
+    Signal(i32),
+}
+
+impl Outcome {
+    /// The process exit status DESIGN.md fixes.
+    pub fn exit_status(self) -> u8 {
+        match self {
+            // Truncated to 8 bits like every process status (QEMU's isa-debug-exit too).
+            Outcome::Guest(reason) => reason.exit_status() as u8,
+            Outcome::Signal(signo) => (128 + signo) as u8,
+        }
+    }
+}
+
+/// Builds the machine described by `config`, runs it to the end and tears it down.
+pub fn run(config: VmConfig) -> Result<Outcome> {
+    let machine = Machine::build(&config)?;
+    machine.run()
+}
+
+struct Machine {
+    // Kept alive while the VM runs: the kernel maps this memory.
+    _memory: GuestMemory,
+    _vm: Arc<dyn Vm>,
+    vcpus: Vec<Box<dyn Vcpu>>,
+    context: Arc<VcpuContext>,
+}
+
+fn open_kernel(config: &VmConfig) -> Result<File> {
+    let path = &config.kernel;
+    let file_error = |reason: String| Error::File {
+        path: path.clone(),
+        reason,
+    };
+    let meta = std::fs::metadata(path).map_err(|e| file_error(format!("cannot open: {e}")))?;
+    if meta.is_dir() {
+        return Err(file_error("is a directory, not a kernel image".into()));
+    }
+    if meta.len() == 0 {
+        return Err(file_error("is empty".into()));
+    }
+    if meta.len() > config.memory {
+        return Err(file_error(format!(
+            "is larger ({} bytes) than guest memory ({} bytes)",
+            meta.len(),
+            config.memory
+        )));
+    }
+    File::open(path).map_err(|e| file_error(format!("cannot open: {e}")))
+}
+
+impl Machine {
+    fn build(config: &VmConfig) -> Result<Self> {
+        memory::validate_size(config.memory, &config.memory_text)?;
+        let mut kernel = open_kernel(config)?;
+        let mut initrd = match &config.initrd {
+            Some(path) => Some(File::open(path).map_err(|e| Error::File {
+                path: path.clone(),
+                reason: format!("cannot open initrd: {e}"),
+            })?),
+            None => None,
+        };
+
+        let hv = open_accelerator(config.accel)?;
+        let caps = hv.capabilities();
+        if config.cpus as usize > caps.max_vcpus {
+            return Err(Error::Option {
+                option: "--cpus",
+                value: config.cpus.to_string(),
+                reason: format!("the accelerator supports at most {} vCPUs", caps.max_vcpus),
+            });
+        }
+        let vm = hv.create_vm()?;
+        match config.irqchip {
+            IrqChipKind::Kernel => vm.create_irqchip(IrqChipMode::Kernel)?,
+            IrqChipKind::Split => {
+                return Err(Error::NotSupportedYet {
+                    option: "--irqchip split",
+                })
+            }
+        }
+
+        let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
+        memory::map_into_vm(&vm, &guest_memory)?;
+        let entry = boot::load_kernel(
+            &guest_memory,
+            &mut kernel,
+            &config.cmdline,
+            initrd.as_mut().map(|f| f as &mut dyn boot::ReadSeek),
+            config.memory,
+        )
+        .map_err(|source| Error::Kernel {
+            path: config.kernel.clone(),
+            source,
+        })?;
+
+        let exit = Arc::new(ExitRequest::new()?);
+        let (pio, mmio) = build_buses(config, &exit)?;
+        let context = Arc::new(VcpuContext {
+            pio: Arc::new(IoDispatcher::new("pio", Arc::new(pio))),
+            mmio: Arc::new(IoDispatcher::new("mmio", Arc::new(mmio))),
+            exit,
+            stop: Arc::new(AtomicBool::new(false)),
+        });
+
+        let supported_cpuid = hv.supported_cpuid()?;
+        let mut vcpus = Vec::new();
+        for id in 0..config.cpus {
+            let vcpu = vm.create_vcpu(id)?;
+            vcpu.set_cpuid(&boot::cpuid::guest_cpuid(&supported_cpuid, id, config.cpus))?;
+            if id == 0 {
+                set_boot_registers(vcpu.as_ref(), &entry)?;
+            }
+            vcpus.push(vcpu);
+        }
+        Ok(Machine {
+            _memory: guest_memory,
+            _vm: vm,
+            vcpus,
+            context,
+        })
+    }
+
+    fn run(mut self) -> Result<Outcome> {
+        let signals = SignalWatch::install()?;
+        let mut threads = Vec::new();
+        let mut start_error = None;
+        for vcpu in self.vcpus.drain(..) {
+            match vcpu::spawn(vcpu, self.context.clone()) {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    start_error = Some(e);
+                    break;
+                }
+            }
+        }
+        let outcome = if start_error.is_none() {
+            signals.wait(&self.context.exit)
+        } else {
+            None
+        };
+        let failures = stop_vcpus(&self.context, threads);
+        if let Some(e) = start_error {
+            return Err(e);
+        }
+        match outcome {
+            Some(Outcome::Guest(ExitReason::VcpuFailed(_))) | None => Err(failures
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| Error::Devices("a vCPU stopped without a reason".into()))),
+            Some(outcome) => Ok(outcome),
+        }
+    }
+}
+
+/// Stops every vCPU thread (flag, then kick so a thread inside the guest returns) and
+/// collects their failures.
+fn stop_vcpus(context: &VcpuContext, threads: Vec<VcpuThread>) -> Vec<Error> {
+    context.stop.store(true, Ordering::Release);
+    for t in &threads {
+        if let Err(e) = t.kicker.kick() {
+            log::warn!("cannot kick vCPU {}: {e}", t.id);
+        }
+    }
+    let mut failures = Vec::new();
+    for t in threads {
+        match t.handle.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => failures.push(e),
+            Err(_) => failures.push(Error::Vcpu {
+                id: t.id,
+                reason: "thread panicked".into(),
+            }),
+        }
+    }
+    failures
+}
+
+fn build_buses(config: &VmConfig, exit: &Arc<ExitRequest>) -> Result<(Bus, Bus)> {
+    let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
+    let mut pio = Bus::new();
+    let sink = match &config.serial {
+        SerialOutput::Stdio => SerialSink::Stdout,
+        SerialOutput::File(path) => SerialSink::File(path.clone()),
+        SerialOutput::None => SerialSink::Sink,
+    };
+    let serial = SerialDevice::new(&sink, Arc::new(NoIrq)).map_err(|e| Error::Option {
+        option: "--serial",
+        value: format!("{:?}", config.serial),
+        reason: e.to_string(),
+    })?;
+    serial.register_com1(&mut pio).map_err(devices_err)?;
+    DebugExit::new(exit.clone())
+        .register(&mut pio)
+        .map_err(devices_err)?;
+    I8042::new(exit.clone())
+        .register(&mut pio)
+        .map_err(devices_err)?;
+    let mut fw_cfg = FwCfg::new(config.cpus as u16, config.memory);
+    fw_cfg
+        .add_file("etc/ferrovm/cmdline", config.cmdline.as_bytes().to_vec())
+        .map_err(|e| Error::Devices(e.to_string()))?;
+    fw_cfg.register(&mut pio).map_err(devices_err)?;
+    let mmio = Bus::new();
+    Ok((pio, mmio))
+}
+
+/// Register state for a 32-bit flat protected-mode entry with paging off, which every boot
+/// protocol ferrovm loads (PVH, Multiboot, the Linux 32-bit boot protocol) starts in.
+fn set_boot_registers(vcpu: &dyn Vcpu, entry: &boot::BootEntry) -> Result<()> {
+    let segment = |selector: u16| {
+        let d = boot::gdt::boot_segment(selector).ok_or_else(|| {
+            Error::Devices(format!(
+                "boot GDT has no descriptor for selector {selector:#x}"
+            ))
+        })?;
+        Ok::<_, Error>(SegmentRegister {
+            base: d.base,
+            limit: d.limit,
+            selector,
+            type_: d.type_,
+            present: d.present,
+            dpl: d.dpl,
+            db: d.db,
+            s: d.s,
+            l: d.l,
+            g: d.g,
+            avl: d.avl,
+            unusable: false,
+        })
+    };
+    let mut sregs = vcpu.sregs()?;
+    let code = segment(entry.code_selector)?;
+    let data = segment(entry.data_selector)?;
+    sregs.cs = code;
+    sregs.ds = data;
+    sregs.es = data;
+    sregs.fs = data;
+    sregs.gs = data;
+    sregs.ss = data;
+    sregs.gdt.base = entry.gdt_base;
+    sregs.gdt.limit = entry.gdt_limit;
+    // PE and ET; paging, long mode and caches are the guest's business.
+    sregs.cr0 = 0x11;
+    sregs.cr4 = 0;
+    sregs.efer = 0;
+    vcpu.set_sregs(&sregs)?;
+    vcpu.set_regs(&StandardRegisters {
+        rip: entry.entry_point,
+        rax: u64::from(entry.eax),
+        rbx: u64::from(entry.ebx),
+        rsi: u64::from(entry.esi),
+        rsp: entry.stack_pointer.map(u64::from).unwrap_or(0),
+        // Bit 1 is reserved and must be set; interrupts off.
+        rflags: 0x2,
+        ..Default::default()
+    })?;
+    Ok(())
+}
+
+/// SIGINT and SIGTERM turned into a readable descriptor the main loop polls beside the
+/// guest's exit requests.
+struct SignalWatch {
+    event: EventFd,
+}
+
+static SIGNAL_EVENT_FD: AtomicI32 = AtomicI32::new(-1);
+static LAST_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(signo: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    LAST_SIGNAL.store(signo, Ordering::SeqCst);
+    let fd = SIGNAL_EVENT_FD.load(Ordering::SeqCst);
+    if fd >= 0 {
+        let one: u64 = 1;
+        // SAFETY: write(2) on an eventfd with an 8-byte buffer is async-signal-safe.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+}
+
+impl SignalWatch {
+    fn install() -> Result<Self> {
+        let event = EventFd::new(libc::EFD_NONBLOCK)?;
+        SIGNAL_EVENT_FD.store(event.as_raw_fd(), Ordering::SeqCst);
+        for signo in [libc::SIGINT, libc::SIGTERM] {
+            vmm_sys_util::signal::register_signal_handler(signo, on_stop_signal)
+                .map_err(|e| Error::Io(std::io::Error::from_raw_os_error(e.errno())))?;
+        }
+        Ok(SignalWatch { event })
+    }
+
+    /// Blocks until the guest asks to stop or a stop signal arrives.
+    fn wait(&self, exit: &ExitRequest) -> Option<Outcome> {
+        loop {
+            if let Some(reason) = exit.reason() {
+                return Some(Outcome::Guest(reason));
+            }
+            let signo = LAST_SIGNAL.load(Ordering::SeqCst);
+            if signo != 0 {
+                return Some(Outcome::Signal(signo));
+            }
+            let mut fds = [
+                libc::pollfd {
+                    fd: exit.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: self.event.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: `fds` is a valid array of two pollfd structures for the whole call.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            if rc < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                log::error!("poll: {}", std::io::Error::last_os_error());
+                return None;
+            }
+        }
+    }
+}
+
+impl Drop for SignalWatch {
+    fn drop(&mut self) {
+        SIGNAL_EVENT_FD.store(-1, Ordering::SeqCst);
+    }
+}

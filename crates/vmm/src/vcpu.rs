@@ -1,0 +1,144 @@
+//! vCPU threads and the exit loop.
+//!
+//! Each vCPU runs on its own thread and owns its `Vcpu`. The fast path — an exit, a bus
+//! lookup, one device lock, re-entry — takes no lock shared by all vCPUs: the buses are
+//! immutable after start-up and each device has its own mutex. Interrupt injection goes
+//! through the VM (a single kernel call), never through another vCPU's thread.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use devices::bus::IoDispatcher;
+use devices::exit::{ExitReason, ExitRequest};
+use hypervisor::{Vcpu, VcpuExit, VcpuKicker};
+
+use crate::error::{Error, Result};
+
+/// What every vCPU thread shares with the rest of the machine.
+pub struct VcpuContext {
+    pub pio: Arc<IoDispatcher>,
+    pub mmio: Arc<IoDispatcher>,
+    pub exit: Arc<ExitRequest>,
+    /// Set by the main thread when the machine stops; vCPUs see it after a kick.
+    pub stop: Arc<AtomicBool>,
+}
+
+pub struct VcpuThread {
+    pub id: u32,
+    pub kicker: VcpuKicker,
+    pub handle: JoinHandle<Result<()>>,
+}
+
+/// Starts the thread that runs `vcpu` until the machine stops or the vCPU fails. A failure
+/// is returned from the thread and also requests the machine's exit.
+pub fn spawn(vcpu: Box<dyn Vcpu>, ctx: Arc<VcpuContext>) -> Result<VcpuThread> {
+    let id = vcpu.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = std::thread::Builder::new()
+        .name(format!("vcpu{id}"))
+        .spawn(move || {
+            let mut vcpu = vcpu;
+            match vcpu.bind_kicker() {
+                Ok(kicker) => {
+                    let _ = tx.send(Ok(kicker));
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return Ok(());
+                }
+            }
+            let result = run_loop(vcpu.as_mut(), &ctx);
+            if result.is_err() {
+                ctx.exit.request(ExitReason::VcpuFailed(id));
+            }
+            result
+        })?;
+    let kicker = rx
+        .recv()
+        .map_err(|_| Error::Vcpu {
+            id,
+            reason: "thread ended during start-up".into(),
+        })?
+        .map_err(Error::Hypervisor)?;
+    Ok(VcpuThread { id, kicker, handle })
+}
+
+fn failure(vcpu: &dyn Vcpu, what: String) -> Error {
+    let rip = vcpu
+        .regs()
+        .map(|r| format!("{:#x}", r.rip))
+        .unwrap_or_else(|_| "unknown".into());
+    Error::Vcpu {
+        id: vcpu.id(),
+        reason: format!("{what} at RIP {rip}"),
+    }
+}
+
+fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
+    let id = vcpu.id();
+    loop {
+        if ctx.stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let exit = match vcpu.run() {
+            Ok(exit) => exit,
+            Err(e) => return Err(failure(vcpu, e.to_string())),
+        };
+        let problem = match exit {
+            VcpuExit::IoIn { port, size, data } => {
+                for chunk in data.chunks_mut(size) {
+                    ctx.pio.read(u64::from(port), chunk);
+                }
+                None
+            }
+            VcpuExit::IoOut { port, size, data } => {
+                for chunk in data.chunks(size) {
+                    ctx.pio.write(u64::from(port), chunk);
+                }
+                None
+            }
+            VcpuExit::MmioRead { addr, data } => {
+                ctx.mmio.read(addr, data);
+                None
+            }
+            VcpuExit::MmioWrite { addr, data } => {
+                ctx.mmio.write(addr, data);
+                None
+            }
+            VcpuExit::MsrRead { index, value, .. } => {
+                // Only MSRs the kernel does not implement get here; reading them as zero
+                // keeps guests probing platform MSRs alive (see the MSR policy in docs).
+                log::debug!("vCPU {id}: RDMSR {index:#x} not implemented, reads 0");
+                *value = 0;
+                None
+            }
+            VcpuExit::MsrWrite { index, value, .. } => {
+                log::debug!("vCPU {id}: WRMSR {index:#x} <- {value:#x} ignored");
+                None
+            }
+            VcpuExit::Reset => {
+                ctx.exit.request(ExitReason::Reset);
+                None
+            }
+            VcpuExit::PowerOff => {
+                ctx.exit.request(ExitReason::PowerOff);
+                None
+            }
+            VcpuExit::Halt | VcpuExit::Interrupted | VcpuExit::Spurious => None,
+            VcpuExit::IoapicEoi { vector } => {
+                log::debug!("vCPU {id}: IOAPIC EOI {vector:#x}");
+                None
+            }
+            VcpuExit::Shutdown => Some("triple fault (shutdown)".to_string()),
+            VcpuExit::InternalError { detail } => Some(format!("KVM internal error: {detail}")),
+            VcpuExit::FailEntry { reason } => Some(format!(
+                "the kernel refused to enter the guest (hardware reason {reason:#x})"
+            )),
+            VcpuExit::Unsupported(what) => Some(format!("unsupported exit {what}")),
+        };
+        if let Some(what) = problem {
+            return Err(failure(vcpu, what));
+        }
+    }
+}

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what building and testing ferrovm needs, if it is missing: the C toolchain for
+# the test guests (gcc, binutils, make) and the Rust components for the checks.
+set -euo pipefail
+
+need_apt=()
+command -v gcc >/dev/null || need_apt+=(gcc)
+command -v ld >/dev/null || need_apt+=(binutils)
+command -v make >/dev/null || need_apt+=(make)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "installing Debian packages: ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${need_apt[@]}"
+fi
+
+if ! command -v cargo >/dev/null; then
+    echo "cargo is missing: install Rust (stable) with rustup" >&2
+    exit 1
+fi
+if command -v rustup >/dev/null; then
+    for component in rustfmt clippy; do
+        if ! rustup component list --installed 2>/dev/null | grep -q "^$component"; then
+            rustup component add "$component"
+        fi
+    done
+fi

@@ -1,0 +1,191 @@
+//! Boots the test guests under the real accelerator and checks what they observed, and
+//! feeds `ferrovm run` bad input.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+#[test]
+fn hello_prints_banner_and_resets() {
+    let run = run_guest("hello", &["--cmdline", "greeting=hi", "--memory", "256M"]);
+    run.expect_status(0)
+        .expect_stdout("ferrovm hello: 1 vCPU(s), 256 MiB RAM")
+        .expect_stdout("greeting=hi");
+}
+
+#[test]
+fn hello_sees_vcpus_and_memory_above_the_pci_hole() {
+    let run = run_guest("hello", &["--cpus", "2", "--memory", "5G"]);
+    run.expect_status(0)
+        .expect_stdout("ferrovm hello: 2 vCPU(s), 5120 MiB RAM");
+}
+
+#[test]
+fn large_guest_memory_is_not_reserved_up_front() {
+    // 16 GiB of guest RAM on a host with 24 GiB: only touched pages may become resident.
+    let run = run_guest("hello", &["--memory", "16G"]);
+    run.expect_status(0);
+    assert!(
+        run.max_rss_kib < 64 * 1024,
+        "ferrovm used {} KiB resident for an idle 16 GiB guest",
+        run.max_rss_kib
+    );
+}
+
+#[test]
+fn exit_code_reaches_the_process_status() {
+    for (code, status) in [("0", 1), ("7", 15), ("100", 201)] {
+        let run = run_guest("exit-code", &["--cmdline", code]);
+        run.expect_status(status)
+            .expect_stdout(&format!("exit-code: {code}"));
+    }
+}
+
+#[test]
+fn fault_is_reported_by_the_guest_handler() {
+    let run = run_guest("fault", &[]);
+    // The kit's exception handler exits with 0x7e: status (0x7e << 1) | 1.
+    run.expect_status(0xfd);
+    let expected_rip = run
+        .stdout
+        .lines()
+        .find_map(|l| l.split("expecting #GP at rip=").nth(1))
+        .expect("fault guest announces the faulting RIP")
+        .trim()
+        .to_string();
+    run.expect_stdout("vector=13")
+        .expect_stdout(&format!("rip={expected_rip}"));
+}
+
+#[test]
+fn ring3_checksum_passes() {
+    let run = run_guest("ring3", &[]);
+    run.expect_status(1).expect_stdout("ring3 checksum=0x");
+    assert_eq!(run.last_line(), "PASS");
+}
+
+#[test]
+fn serial_to_a_file_and_to_nothing() {
+    let dir = tempdir();
+    let log = dir.join("serial.log");
+    let spec = format!("file:{}", log.display());
+    let run = run_guest("exit-code", &["--cmdline", "3", "--serial", &spec]);
+    run.expect_status(7);
+    assert!(!run.stdout.contains("exit-code"), "serial went to stdout");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("exit-code: 3"), "{text}");
+
+    let run = run_guest("exit-code", &["--cmdline", "3", "--serial", "none"]);
+    run.expect_status(7);
+    assert!(run.stdout.is_empty(), "{}", run.stdout);
+}
+
+#[test]
+fn sigterm_ends_the_vm_cleanly() {
+    require_kvm();
+    let kernel = guest("idle");
+    let run = ferrovm_with(
+        &["run", "--kernel", kernel.to_str().unwrap()],
+        Duration::from_secs(60),
+        |pid| {
+            std::thread::sleep(Duration::from_millis(1500));
+            // SAFETY: pid is the child just started.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        },
+    );
+    run.expect_status(128 + libc::SIGTERM);
+}
+
+#[test]
+fn triple_fault_is_a_vmm_error_naming_rip() {
+    let run = run_guest("triple-fault", &[]);
+    run.expect_error("triple fault");
+    assert!(run.stderr.contains("RIP 0x"), "{}", run.stderr);
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "ferrovm-test-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn bad_run(args: &[&str]) -> Run {
+    ferrovm(args, Duration::from_secs(30))
+}
+
+#[test]
+fn bad_kernels_are_refused_with_one_line() {
+    let dir = tempdir();
+    let missing = dir.join("missing.elf");
+    bad_run(&["run", "--kernel", missing.to_str().unwrap()]).expect_error("missing.elf");
+    bad_run(&["run", "--kernel", dir.to_str().unwrap()]).expect_error("directory");
+
+    let empty = dir.join("empty.elf");
+    std::fs::write(&empty, b"").unwrap();
+    bad_run(&["run", "--kernel", empty.to_str().unwrap()]).expect_error("empty");
+
+    let hello = std::fs::read(guest("hello")).unwrap();
+    let truncated = dir.join("truncated.elf");
+    std::fs::write(&truncated, &hello[..hello.len().min(200)]).unwrap();
+    bad_run(&["run", "--kernel", truncated.to_str().unwrap()]).expect_error("truncated.elf");
+
+    let mut arm = hello.clone();
+    arm[18] = 0xb7; // e_machine = EM_AARCH64
+    arm[19] = 0;
+    let arm_path = dir.join("arm.elf");
+    std::fs::write(&arm_path, &arm).unwrap();
+    bad_run(&["run", "--kernel", arm_path.to_str().unwrap()]).expect_error("machine");
+
+    let junk = dir.join("junk.bin");
+    std::fs::write(&junk, vec![0x5a; 4096]).unwrap();
+    bad_run(&["run", "--kernel", junk.to_str().unwrap()]).expect_error("junk.bin");
+
+    let big = dir.join("big.elf");
+    let mut data = hello.clone();
+    data.resize(5 << 20, 0);
+    std::fs::write(&big, &data).unwrap();
+    bad_run(&["run", "--kernel", big.to_str().unwrap(), "--memory", "4M"]).expect_error("larger");
+}
+
+#[test]
+fn bad_options_are_refused_with_one_line() {
+    let hello = guest("hello");
+    let k = hello.to_str().unwrap();
+    bad_run(&["run", "--kernel", k, "--memory", "0"]).expect_error("--memory");
+    bad_run(&["run", "--kernel", k, "--memory", "64T"]).expect_error("larger than this host");
+    bad_run(&["run", "--kernel", k, "--memory", "lots"]).expect_error("--memory");
+    bad_run(&["run", "--kernel", k, "--cpus", "0"]).expect_error("--cpus");
+    bad_run(&["run", "--kernel", k, "--cpus", "100000"]).expect_error("--cpus");
+    bad_run(&["run", "--kernel", k, "--bogus"]).expect_error("--bogus");
+    bad_run(&["run", "--kernel", k, "--serial", "tcp:1"]).expect_error("--serial");
+    bad_run(&["run", "--kernel", k, "--disk", "/dev/null"]).expect_error("not supported yet");
+    bad_run(&["run", "--kernel", k, "--accel", "bhyve"]).expect_error("/dev/vmm");
+    bad_run(&["frobnicate"]).expect_error("frobnicate");
+}
+
+#[test]
+fn accel_reports_capabilities() {
+    require_kvm();
+    let run = ferrovm(&["accel"], Duration::from_secs(30));
+    run.expect_status(0)
+        .expect_stdout("accelerator:")
+        .expect_stdout("TPR shadowing:");
+    let run = ferrovm(&["accel", "--json"], Duration::from_secs(30));
+    run.expect_status(0);
+    let line = run.stdout.trim();
+    assert!(line.starts_with('{') && line.ends_with('}') && !line.contains('\n'));
+    for key in [
+        "\"irqchip_split\"",
+        "\"msi_injection\"",
+        "\"max_vcpus\"",
+        "\"tpr_shadow\"",
+    ] {
+        assert!(line.contains(key), "{key} missing from {line}");
+    }
+}

@@ -1,0 +1,179 @@
+//! Running `ferrovm` on the test guests, with a time limit, capturing what the guest printed.
+
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const FERROVM: &str = env!("CARGO_BIN_EXE_ferrovm");
+
+/// Fails loudly (never skips) when the accelerator is missing.
+pub fn require_kvm() {
+    assert!(
+        std::path::Path::new("/dev/kvm").exists(),
+        "/dev/kvm is missing: guest tests need the KVM accelerator and are not skipped"
+    );
+}
+
+pub fn guest(name: &str) -> PathBuf {
+    let dir = std::env::var_os("FERROVM_GUESTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/guests"));
+    let path = dir.join(format!("{name}.elf"));
+    assert!(
+        path.exists(),
+        "{} is missing: build the guests with `make guests`",
+        path.display()
+    );
+    path
+}
+
+pub struct Run {
+    pub status: Option<i32>,
+    pub signal: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+    /// Peak resident set of the ferrovm process, in KiB.
+    pub max_rss_kib: i64,
+}
+
+impl Run {
+    /// Asserts the exit status, showing everything the run printed when it differs.
+    pub fn expect_status(&self, status: i32) -> &Self {
+        assert_eq!(
+            self.status,
+            Some(status),
+            "unexpected exit status\n--- stdout\n{}\n--- stderr\n{}",
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+
+    pub fn expect_stdout(&self, needle: &str) -> &Self {
+        assert!(
+            self.stdout.contains(needle),
+            "stdout lacks {needle:?}\n--- stdout\n{}\n--- stderr\n{}",
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+
+    /// The last non-empty line the guest printed.
+    pub fn last_line(&self) -> &str {
+        self.stdout
+            .lines()
+            .rev()
+            .map(|l| l.trim_end_matches('\r'))
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("")
+    }
+
+    /// Asserts a VMM error: status 2 and one line on stderr containing `needle`.
+    pub fn expect_error(&self, needle: &str) -> &Self {
+        self.expect_status(2);
+        let lines: Vec<&str> = self.stderr.lines().filter(|l| !l.is_empty()).collect();
+        assert_eq!(
+            lines.len(),
+            1,
+            "expected one error line, got:\n{}",
+            self.stderr
+        );
+        assert!(
+            lines[0].contains(needle),
+            "error line lacks {needle:?}: {}",
+            lines[0]
+        );
+        self
+    }
+}
+
+/// Runs `ferrovm ARGS...`, killing it after `limit`.
+pub fn ferrovm(args: &[&str], limit: Duration) -> Run {
+    ferrovm_with(args, limit, |_| {})
+}
+
+/// Like [`ferrovm`], calling `during(pid)` once the process has started.
+pub fn ferrovm_with(args: &[&str], limit: Duration, during: impl FnOnce(i32)) -> Run {
+    let start = Instant::now();
+    let mut child = Command::new(FERROVM)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn ferrovm");
+    let pid = child.id() as i32;
+    let mut stdout_pipe = child.stdout.take().unwrap();
+    let mut stderr_pipe = child.stderr.take().unwrap();
+    let out_reader = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = stdout_pipe.read_to_end(&mut s);
+        String::from_utf8_lossy(&s).into_owned()
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = stderr_pipe.read_to_end(&mut s);
+        String::from_utf8_lossy(&s).into_owned()
+    });
+    during(pid);
+    let reaped = Arc::new(AtomicBool::new(false));
+    let killer = {
+        let deadline = start + limit;
+        let reaped = reaped.clone();
+        std::thread::spawn(move || {
+            while Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+                if reaped.load(Ordering::SeqCst) {
+                    return false;
+                }
+            }
+            // SAFETY: pid is our child and not reaped yet (wait4 below is still blocked on
+            // it), so the id cannot have been reused.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            true
+        })
+    };
+    let mut wstatus = 0;
+    // SAFETY: an all-zero rusage is a valid value for wait4 to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: pid is our child; wstatus and usage are valid for writes.
+    let rc = unsafe { libc::wait4(pid, &mut wstatus, 0, &mut usage) };
+    reaped.store(true, Ordering::SeqCst);
+    assert_eq!(rc, pid, "wait4 failed");
+    let elapsed = start.elapsed();
+    let timed_out = killer.join().unwrap();
+    let stdout = out_reader.join().unwrap();
+    let stderr = err_reader.join().unwrap();
+    assert!(
+        !timed_out,
+        "ferrovm {args:?} did not finish within {limit:?}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    );
+    let (status, signal) = if libc::WIFEXITED(wstatus) {
+        (Some(libc::WEXITSTATUS(wstatus)), None)
+    } else {
+        (None, Some(libc::WTERMSIG(wstatus)))
+    };
+    Run {
+        status,
+        signal,
+        stdout,
+        stderr,
+        elapsed,
+        max_rss_kib: usage.ru_maxrss,
+    }
+}
+
+pub fn run_guest(name: &str, extra: &[&str]) -> Run {
+    require_kvm();
+    let kernel = guest(name);
+    let mut args = vec!["run", "--kernel", kernel.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    ferrovm(&args, Duration::from_secs(120))
+}
