@@ -102,6 +102,8 @@ pub fn ferrovm(args: &[&str], limit: Duration) -> Run {
 /// Like [`ferrovm`], calling `during(pid)` once the process has started.
 pub fn ferrovm_with(args: &[&str], limit: Duration, during: impl FnOnce(i32)) -> Run {
     let start = Instant::now();
+    // Reaped with wait4 below rather than Child::wait, to get the child's own rusage.
+    #[allow(clippy::zombie_processes)]
     let mut child = Command::new(FERROVM)
         .args(args)
         .stdin(Stdio::null())

@@ -12,12 +12,16 @@ use crate::{
 /// by the backend before it re-enters.
 #[derive(Debug)]
 pub enum VcpuExit<'a> {
+    /// `data` holds one access of `size` bytes, or several in a row for string I/O
+    /// (`REP INS`), each to be served in turn.
     IoIn {
         port: u16,
+        size: usize,
         data: &'a mut [u8],
     },
     IoOut {
         port: u16,
+        size: usize,
         data: &'a [u8],
     },
     MmioRead {

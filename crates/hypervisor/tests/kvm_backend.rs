@@ -5,7 +5,7 @@ use hypervisor::{
     StandardRegisters, Vcpu, VcpuExit, Vm,
 };
 use std::sync::Arc;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 const MEM_SIZE: usize = 1 << 21;
 const CODE: u64 = 0x1000;
@@ -65,7 +65,7 @@ fn out_exit_carries_port_and_byte() {
     // mov dx, 0xf4; mov al, 0x42; out dx, al; hlt
     let (_vm, mut vcpu, _mem) = vm_running(&[0x66, 0xba, 0xf4, 0x00, 0xb0, 0x42, 0xee, 0xf4]);
     match vcpu.run().unwrap() {
-        VcpuExit::IoOut { port, data } => {
+        VcpuExit::IoOut { port, data, .. } => {
             assert_eq!(port, 0xf4);
             assert_eq!(data, &[0x42]);
         }
@@ -78,14 +78,14 @@ fn in_data_reaches_the_guest_register() {
     // in al, 0x60; out 0x61, al; hlt
     let (_vm, mut vcpu, _mem) = vm_running(&[0xe4, 0x60, 0xe6, 0x61, 0xf4]);
     match vcpu.run().unwrap() {
-        VcpuExit::IoIn { port, data } => {
+        VcpuExit::IoIn { port, data, .. } => {
             assert_eq!(port, 0x60);
             data[0] = 0x5a;
         }
         other => panic!("unexpected exit {other:?}"),
     }
     match vcpu.run().unwrap() {
-        VcpuExit::IoOut { port, data } => {
+        VcpuExit::IoOut { port, data, .. } => {
             assert_eq!(port, 0x61);
             assert_eq!(data, &[0x5a], "the IN completion must reach AL");
         }

@@ -1,14 +1,5 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+//! Snapshot/restore and live migration: a versioned, framed, checksummed stream of guest
+//! memory and device/vCPU state, dirty-page tracking and the pre-copy engine.
+//!
+//! Not implemented yet: `ferrovm run --restore`, `--incoming` and `ctl snapshot|migrate`
+//! are refused with "not supported yet" until this crate lands.

@@ -30,7 +30,7 @@ pub fn validate_size(size: u64, text: &str) -> Result<()> {
     if size < MIB {
         return Err(refuse("a guest needs at least 1 MiB of RAM".into()));
     }
-    if size % 4096 != 0 {
+    if !size.is_multiple_of(4096) {
         return Err(refuse("must be a multiple of 4 KiB".into()));
     }
     if let Some(host) = host_memory_bytes() {

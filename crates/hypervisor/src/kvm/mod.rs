@@ -288,6 +288,16 @@ impl Drop for KvmVcpu {
     }
 }
 
+/// The width of each access of a KVM_EXIT_IO (kvm-ioctls hands out only the whole buffer).
+///
+/// # Safety
+/// `run` must be a live `kvm_run` page right after a KVM_EXIT_IO.
+unsafe fn io_access_size(run: *const kvm_run) -> usize {
+    // SAFETY: guaranteed by the caller.
+    let io = unsafe { (*run).__bindgen_anon_1.io };
+    usize::from(io.size).max(1)
+}
+
 /// Reads the kernel's description of an internal error out of the `kvm_run` page.
 ///
 /// # Safety
@@ -341,8 +351,18 @@ impl Vcpu for KvmVcpu {
             return Ok(VcpuExit::Interrupted);
         };
         Ok(match exit {
-            KvmExit::IoIn(port, data) => VcpuExit::IoIn { port, data },
-            KvmExit::IoOut(port, data) => VcpuExit::IoOut { port, data },
+            KvmExit::IoIn(port, data) => VcpuExit::IoIn {
+                // SAFETY: `run` is live and the exit is KVM_EXIT_IO.
+                size: unsafe { io_access_size(run) },
+                port,
+                data,
+            },
+            KvmExit::IoOut(port, data) => VcpuExit::IoOut {
+                // SAFETY: as above.
+                size: unsafe { io_access_size(run) },
+                port,
+                data,
+            },
             KvmExit::MmioRead(addr, data) => VcpuExit::MmioRead { addr, data },
             KvmExit::MmioWrite(addr, data) => VcpuExit::MmioWrite { addr, data },
             KvmExit::X86Rdmsr(msr) => VcpuExit::MsrRead {
