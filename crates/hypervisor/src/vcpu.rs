@@ -77,6 +77,12 @@ pub trait Vcpu: Send {
     /// make `run` return promptly, even if the request races with entry into the guest.
     fn bind_kicker(&mut self) -> Result<VcpuKicker>;
 
+    /// External interrupts from a user-space 8259 (split irqchip): whether the vCPU can take
+    /// one now, asking the kernel to exit as soon as it can, and handing one over.
+    fn ready_for_interrupt(&self) -> bool;
+    fn request_interrupt_window(&mut self, on: bool);
+    fn inject_external_interrupt(&self, vector: u8) -> Result<()>;
+
     fn regs(&self) -> Result<StandardRegisters>;
     fn set_regs(&self, regs: &StandardRegisters) -> Result<()>;
     fn sregs(&self) -> Result<SpecialRegisters>;

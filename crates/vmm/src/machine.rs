@@ -127,6 +127,7 @@ impl Machine {
             mmio: Arc::new(IoDispatcher::new("mmio", Arc::new(mmio))),
             exit,
             stop: Arc::new(AtomicBool::new(false)),
+            sample_rip: rip_sample_period().is_some(),
         });
 
         let supported_cpuid = hv.supported_cpuid()?;
@@ -161,7 +162,7 @@ impl Machine {
             }
         }
         let outcome = if start_error.is_none() {
-            signals.wait(&self.context.exit)
+            signals.wait(&self.context.exit, rip_sample_period(), &threads)
         } else {
             None
         };
@@ -284,6 +285,15 @@ fn set_boot_registers(vcpu: &dyn Vcpu, entry: &boot::BootEntry) -> Result<()> {
     Ok(())
 }
 
+/// `FERROVM_SAMPLE_RIP_MS=N`: kick every vCPU each N ms and log where it was.
+fn rip_sample_period() -> Option<i32> {
+    std::env::var("FERROVM_SAMPLE_RIP_MS")
+        .ok()?
+        .parse()
+        .ok()
+        .filter(|ms: &i32| *ms > 0)
+}
+
 /// SIGINT and SIGTERM turned into a readable descriptor the main loop polls beside the
 /// guest's exit requests.
 struct SignalWatch {
@@ -315,7 +325,12 @@ impl SignalWatch {
     }
 
     /// Blocks until the guest asks to stop or a stop signal arrives.
-    fn wait(&self, exit: &ExitRequest) -> Option<Outcome> {
+    fn wait(
+        &self,
+        exit: &ExitRequest,
+        sample: Option<i32>,
+        threads: &[VcpuThread],
+    ) -> Option<Outcome> {
         loop {
             if let Some(reason) = exit.reason() {
                 return Some(Outcome::Guest(reason));
@@ -337,7 +352,14 @@ impl SignalWatch {
                 },
             ];
             // SAFETY: `fds` is a valid array of two pollfd structures for the whole call.
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            let timeout = sample.unwrap_or(-1);
+            // SAFETY: as above.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+            if rc == 0 {
+                for t in threads {
+                    let _ = t.kicker.kick();
+                }
+            }
             if rc < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
                 log::error!("poll: {}", std::io::Error::last_os_error());
                 return None;

@@ -22,6 +22,9 @@ pub struct VcpuContext {
     pub exit: Arc<ExitRequest>,
     /// Set by the main thread when the machine stops; vCPUs see it after a kick.
     pub stop: Arc<AtomicBool>,
+    /// Log each vCPU's RIP when it is kicked (`FERROVM_SAMPLE_RIP_MS`), to see where a guest
+    /// that prints nothing spends its time.
+    pub sample_rip: bool,
 }
 
 pub struct VcpuThread {
@@ -125,7 +128,15 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
                 ctx.exit.request(ExitReason::PowerOff);
                 None
             }
-            VcpuExit::Halt | VcpuExit::Interrupted | VcpuExit::Spurious => None,
+            VcpuExit::Interrupted => {
+                if ctx.sample_rip && !ctx.stop.load(Ordering::Acquire) {
+                    if let Ok(regs) = vcpu.regs() {
+                        log::info!("vCPU {id}: RIP {:#x} RSP {:#x}", regs.rip, regs.rsp);
+                    }
+                }
+                None
+            }
+            VcpuExit::Halt | VcpuExit::Spurious => None,
             VcpuExit::IoapicEoi { vector } => {
                 log::debug!("vCPU {id}: IOAPIC EOI {vector:#x}");
                 None

@@ -23,6 +23,14 @@ use crate::{
 use convert::*;
 
 const KVM_DEVICE: &str = "/dev/kvm";
+
+// KVM_INTERRUPT is missing from kvm-ioctls: `_IOW(KVMIO, 0x86, struct kvm_interrupt)`.
+vmm_sys_util::ioctl_iow_nr!(
+    KVM_INTERRUPT,
+    kvm_bindings::KVMIO,
+    0x86,
+    kvm_bindings::kvm_interrupt
+);
 /// Addresses KVM needs on Intel for real-mode emulation; inside the 32-bit MMIO hole, far
 /// from anything ferrovm maps.
 const TSS_ADDRESS: usize = 0xfffb_d000;
@@ -401,6 +409,33 @@ impl Vcpu for KvmVcpu {
         }?;
         self.kicker_bound = true;
         Ok(kicker)
+    }
+
+    fn ready_for_interrupt(&self) -> bool {
+        // SAFETY: `run` is valid for the life of `fd`; these fields are plain bytes the
+        // kernel updates on every exit.
+        unsafe { (*self.run).ready_for_interrupt_injection != 0 && (*self.run).if_flag != 0 }
+    }
+
+    fn request_interrupt_window(&mut self, on: bool) {
+        // SAFETY: as above; the kernel reads the byte on the next KVM_RUN.
+        unsafe { (*self.run).request_interrupt_window = u8::from(on) };
+    }
+
+    fn inject_external_interrupt(&self, vector: u8) -> Result<()> {
+        let irq = kvm_bindings::kvm_interrupt {
+            irq: u32::from(vector),
+        };
+        // SAFETY: KVM_INTERRUPT reads one `kvm_interrupt` from the pointer, which outlives
+        // the call; the fd is this vCPU's.
+        let rc = unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_INTERRUPT(), &irq) };
+        if rc < 0 {
+            return Err(HypervisorError::ioctl(
+                "KVM_INTERRUPT",
+                vmm_sys_util::errno::Error::last(),
+            ));
+        }
+        Ok(())
     }
 
     fn regs(&self) -> Result<StandardRegisters> {
