@@ -10,7 +10,9 @@
 //! 0x0000_a000 │ module list (initrd) and boot-loader strings (up to 4 KiB)
 //! 0x0000_b000 │ reserved for boot page tables (later)
 //! 0x0002_0000 │ kernel command line (at most 64 KiB including the NUL)
-//! 0x0009_fc00 ┼ EBDA (MP table later), VGA hole, BIOS ROM area: reserved in e820
+//! 0x0009_fc00 ┼ EBDA, VGA hole, BIOS ROM area: reserved in e820
+//! 0x000e_0000 │   ACPI tables: RSDP first, then XSDT, FADT, FACS, DSDT, MADT (64 KiB)
+//! 0x000f_0000 │   Intel MP table: floating pointer, then configuration table (64 KiB)
 //! 0x0010_0000 ┼ RAM: kernel, initrd (high, page aligned)
 //! low RAM end ┤ = min(mem_size, 3 GiB)
 //! 0xc000_0000 ┼ 32-bit PCI/MMIO hole (IOAPIC 0xfec00000, LAPIC 0xfee00000)
@@ -65,6 +67,31 @@ pub const MODLIST_MAX_SIZE: u64 = 0x1000;
 pub const CMDLINE_ADDR: u64 = 0x2_0000;
 /// Maximum size of the kernel command line including its terminating NUL.
 pub const CMDLINE_MAX_SIZE: u64 = 0x1_0000;
+
+/// Start of the ACPI table area, inside the reserved BIOS area; the RSDP is its first
+/// structure (16-byte aligned, where Linux's and other OSes' legacy scan of
+/// `[0xe0000, 0x100000)` finds it even without a boot-protocol RSDP pointer).
+pub const ACPI_START: u64 = 0xe_0000;
+/// Size of the ACPI table area.
+pub const ACPI_SIZE: u64 = 0x1_0000;
+/// Guest-physical address of the ACPI RSDP.
+pub const RSDP_ADDR: u64 = ACPI_START;
+/// Start of the Intel MP table area (floating pointer structure at its start), right after
+/// the ACPI area, up to 1 MiB.
+pub const MPTABLE_START: u64 = ACPI_START + ACPI_SIZE;
+/// Size of the MP table area.
+pub const MPTABLE_SIZE: u64 = HIMEM_START - MPTABLE_START;
+
+/// Most vCPUs the firmware tables describe: xAPIC IDs are 8 bits, 0xff is the broadcast ID
+/// and the IOAPIC takes the ID after the last vCPU's (the MP table has the same limit).
+pub const MAX_CPUS: u32 = 254;
+
+/// APIC ID of the IOAPIC in the MADT and the MP table: the first ID after the vCPUs'
+/// local APIC IDs `0..cpus`, so the two never collide. `cpus` must be at most [`MAX_CPUS`].
+pub fn ioapic_id(cpus: u32) -> u8 {
+    debug_assert!(cpus <= MAX_CPUS);
+    cpus.min(MAX_CPUS) as u8
+}
 
 /// Smallest guest memory the loaders accept: the boot area below 1 MiB plus 1 MiB.
 pub const MIN_MEM_SIZE: u64 = 2 * HIMEM_START;
@@ -158,7 +185,8 @@ pub fn range_overlaps_mmio_hole(start: u64, end: u64) -> bool {
 /// The e820 map for `mem_size` bytes of RAM, sorted by address:
 ///
 /// - `[0, 0x9fc00)` RAM (conventional memory, clipped to `mem_size`);
-/// - `[0x9fc00, 0x100000)` reserved (EBDA, VGA hole, BIOS area);
+/// - `[0x9fc00, 0x100000)` reserved (EBDA, VGA hole, BIOS area with the ACPI tables at
+///   [`ACPI_START`] and the MP table at [`MPTABLE_START`]);
 /// - `[1 MiB, min(mem_size, 3 GiB))` RAM;
 /// - the IOAPIC and local-APIC pages inside the MMIO hole, reserved;
 /// - `[4 GiB, 4 GiB + mem_size - 3 GiB)` RAM when `mem_size > 3 GiB`.
@@ -361,6 +389,27 @@ mod tests {
             HIGH_RAM_START + 1
         ));
         assert!(!range_overlaps_mmio_hole(0, MMIO_HOLE_START));
+    }
+
+    #[test]
+    fn firmware_tables_in_reserved_bios_area() {
+        const { assert!(ACPI_START + ACPI_SIZE <= MPTABLE_START) };
+        const { assert!(MPTABLE_START + MPTABLE_SIZE == HIMEM_START) };
+        const { assert!(RSDP_ADDR.is_multiple_of(16) && MPTABLE_START.is_multiple_of(16)) };
+        for mem_size in [MIN_MEM_SIZE, 128 * MIB, 8 * GIB] {
+            let map = e820_map(mem_size);
+            for (start, size) in [(ACPI_START, ACPI_SIZE), (MPTABLE_START, MPTABLE_SIZE)] {
+                assert!(range_in_ram(mem_size, start, start + size));
+                assert!(map.iter().any(|e| e.kind == E820Kind::Reserved
+                    && e.addr <= start
+                    && start + size <= e.end()));
+                assert!(!map
+                    .iter()
+                    .any(|e| e.kind == E820Kind::Ram && e.addr < start + size && start < e.end()));
+            }
+        }
+        assert_eq!(ioapic_id(1), 1);
+        assert_eq!(ioapic_id(MAX_CPUS), 254);
     }
 
     #[test]

@@ -1,16 +1,19 @@
 //! Guest boot support for ferrovm: the x86-64 guest memory layout and e820 map, the boot
-//! GDT, and kernel loaders for Linux bzImage (32-bit boot protocol), PVH ELF and Multiboot v1.
+//! GDT, kernel loaders for Linux bzImage (32-bit boot protocol), PVH ELF and Multiboot v1, and
+//! the firmware tables a guest finds in the BIOS area (ACPI in [`acpi`], Intel MP in [`mptable`]).
 //!
 //! Parsing and boot structures come from the rust-vmm crates (linux-loader for the ELF64 and
 //! bzImage loaders, `boot_params`, `hvm_start_info` and the command line; vm-memory for guest
 //! memory); this crate adds what they lack (ELF32, Multiboot v1, validation of every offset
 //! and length against the file and the RAM layout) and is independent of the hypervisor.
 
+pub mod acpi;
 pub mod cpuid;
 mod elf;
 pub mod gdt;
 pub mod layout;
 pub mod loader;
+pub mod mptable;
 pub mod multiboot;
 
 #[cfg(test)]

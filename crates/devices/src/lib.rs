@@ -22,6 +22,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod acpi_pm;
 /// Address decoding, shared lock-free by all vCPU threads.
 pub mod bus;
 /// Guest-initiated VM termination with a QEMU-compatible exit status.
