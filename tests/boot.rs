@@ -189,3 +189,46 @@ fn accel_reports_capabilities() {
         assert!(line.contains(key), "{key} missing from {line}");
     }
 }
+
+#[test]
+fn both_boot_protocols_see_the_same_machine() {
+    require_kvm();
+    let pvh = guest("bootinfo");
+    let multiboot = pvh.parent().unwrap().join("multiboot-only/bootinfo.elf");
+    let mut maps = Vec::new();
+    for (kernel, protocol) in [(pvh, "pvh"), (multiboot, "multiboot")] {
+        let run = ferrovm(
+            &[
+                "run",
+                "--kernel",
+                kernel.to_str().unwrap(),
+                "--cmdline",
+                "a=b",
+                "--memory",
+                "4G",
+                "--cpus",
+                "3",
+            ],
+            Duration::from_secs(60),
+        );
+        run.expect_status(1)
+            .expect_stdout(&format!("protocol={protocol}"))
+            .expect_stdout("cmdline: a=b")
+            .expect_stdout("cpus: 3")
+            // RAM below the EBDA, from 1 MiB to the MMIO hole at 3 GiB, and 1 GiB above 4 GiB.
+            .expect_stdout("addr=0x0000000000000000 size=0x000000000009fc00 type=1")
+            .expect_stdout("addr=0x0000000000100000 size=0x00000000bff00000 type=1")
+            .expect_stdout("addr=0x0000000100000000 size=0x0000000040000000 type=1");
+        if protocol == "pvh" {
+            run.expect_stdout("rsdp=0xe0000");
+        }
+        let map: Vec<String> = run
+            .stdout
+            .lines()
+            .filter(|l| l.trim_start().starts_with("addr=") && l.ends_with("type=1"))
+            .map(str::to_string)
+            .collect();
+        maps.push(map);
+    }
+    assert_eq!(maps[0], maps[1], "the RAM map differs between protocols");
+}

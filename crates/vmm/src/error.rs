@@ -23,6 +23,8 @@ pub enum Error {
         path: PathBuf,
         source: boot::LoadError,
     },
+    #[error("firmware tables: {0}")]
+    Firmware(String),
     #[error("devices: {0}")]
     Devices(String),
     #[error("vCPU {id}: {reason}")]

@@ -5,6 +5,7 @@ use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
+use devices::acpi_pm::AcpiPm;
 use devices::bus::{Bus, IoDispatcher};
 use devices::debug_exit::DebugExit;
 use devices::exit::{ExitReason, ExitRequest};
@@ -108,12 +109,21 @@ impl Machine {
 
         let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
         memory::map_into_vm(&vm, &guest_memory)?;
-        let entry = boot::load_kernel(
+        let firmware_err = |e: String| Error::Firmware(e);
+        let rsdp = boot::acpi::create_acpi_tables(&guest_memory, config.cpus, config.memory)
+            .map_err(|e| firmware_err(e.to_string()))?;
+        boot::mptable::create_mptable(&guest_memory, config.cpus)
+            .map_err(|e| firmware_err(e.to_string()))?;
+        let boot_config = boot::BootConfig {
+            cmdline: config.cmdline.clone(),
+            mem_size: config.memory,
+            rsdp: Some(rsdp),
+        };
+        let entry = boot::load_kernel_with_config(
             &guest_memory,
             &mut kernel,
-            &config.cmdline,
             initrd.as_mut().map(|f| f as &mut dyn boot::ReadSeek),
-            config.memory,
+            &boot_config,
         )
         .map_err(|source| Error::Kernel {
             path: config.kernel.clone(),
@@ -228,6 +238,9 @@ fn build_buses(config: &VmConfig, exit: &Arc<ExitRequest>) -> Result<(Bus, Bus)>
         .add_file("etc/ferrovm/cmdline", config.cmdline.as_bytes().to_vec())
         .map_err(|e| Error::Devices(e.to_string()))?;
     fw_cfg.register(&mut pio).map_err(devices_err)?;
+    AcpiPm::new(exit.clone())
+        .register(&mut pio)
+        .map_err(devices_err)?;
     let mmio = Bus::new();
     Ok((pio, mmio))
 }
