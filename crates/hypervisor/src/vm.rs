@@ -60,6 +60,10 @@ pub trait Vm: Send + Sync {
     fn set_irq_line(&self, gsi: u32, level: bool) -> Result<()>;
     /// Delivers an MSI to the in-kernel LAPICs without touching any vCPU.
     fn signal_msi(&self, msi: MsiMessage) -> Result<()>;
+    /// Installs the MSI each user-space IOAPIC pin sends, as the kernel's GSI routes. A
+    /// split irqchip needs them to know which vectors are level-triggered, so that their EOI
+    /// comes back as `VcpuExit::IoapicEoi`. Pins not listed get no route.
+    fn set_msi_routes(&self, routes: &[(u32, MsiMessage)]) -> Result<()>;
     /// Returns and clears the dirty bitmap of a slot (one bit per 4 KiB page).
     fn dirty_log(&self, slot: u32, size: u64) -> Result<Vec<u64>>;
     fn clock(&self) -> Result<ClockData>;

@@ -3,6 +3,7 @@
 
 pub mod config;
 mod error;
+mod interrupts;
 mod machine;
 pub mod memory;
 mod vcpu;

@@ -11,14 +11,19 @@ use devices::debug_exit::DebugExit;
 use devices::exit::{ExitReason, ExitRequest};
 use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
-use devices::serial::{NoIrq, SerialDevice, SerialOutput as SerialSink};
+use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
+use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{open_accelerator, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu, Vm};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::{IrqChipKind, SerialOutput, VmConfig};
 use crate::error::{Error, Result};
+use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
+
+/// The ACPI SCI line, as the FADT and MADT advertise it.
+const ACPI_SCI_IRQ: u32 = 9;
 
 /// How the machine ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,14 +103,30 @@ impl Machine {
             });
         }
         let vm = hv.create_vm()?;
-        match config.irqchip {
-            IrqChipKind::Kernel => vm.create_irqchip(IrqChipMode::Kernel)?,
-            IrqChipKind::Split => {
-                return Err(Error::NotSupportedYet {
-                    option: "--irqchip split",
-                })
+        let extint = Arc::new(BspExtInt::default());
+        let (irqchip, split): (Arc<dyn IrqChip>, Option<Arc<SplitIrqChip>>) = match config.irqchip {
+            IrqChipKind::Kernel => {
+                vm.create_irqchip(IrqChipMode::Kernel)?;
+                (Arc::new(KernelIrqChip { vm: vm.clone() }), None)
             }
-        }
+            IrqChipKind::Split => {
+                if !caps.irqchip_split {
+                    return Err(Error::Option {
+                        option: "--irqchip",
+                        value: "split".into(),
+                        reason: "the accelerator has no split irqchip".into(),
+                    });
+                }
+                vm.create_irqchip(IrqChipMode::Split {
+                    ioapic_pins: NUM_PINS as u32,
+                })?;
+                let chip = Arc::new(SplitIrqChip::new(
+                    Arc::new(VmMsiSink { vm: vm.clone() }),
+                    extint.clone(),
+                ));
+                (chip.clone(), Some(chip))
+            }
+        };
 
         let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
         memory::map_into_vm(&vm, &guest_memory)?;
@@ -131,13 +152,15 @@ impl Machine {
         })?;
 
         let exit = Arc::new(ExitRequest::new()?);
-        let (pio, mmio) = build_buses(config, &exit)?;
+        let (pio, mmio) = build_buses(config, &exit, &irqchip, split.as_ref())?;
         let context = Arc::new(VcpuContext {
             pio: Arc::new(IoDispatcher::new("pio", Arc::new(pio))),
             mmio: Arc::new(IoDispatcher::new("mmio", Arc::new(mmio))),
             exit,
             stop: Arc::new(AtomicBool::new(false)),
             sample_rip: rip_sample_period().is_some(),
+            split,
+            extint,
         });
 
         let supported_cpuid = hv.supported_cpuid()?;
@@ -164,7 +187,12 @@ impl Machine {
         let mut start_error = None;
         for vcpu in self.vcpus.drain(..) {
             match vcpu::spawn(vcpu, self.context.clone()) {
-                Ok(t) => threads.push(t),
+                Ok(t) => {
+                    if t.id == 0 {
+                        self.context.extint.set_kicker(t.kicker);
+                    }
+                    threads.push(t)
+                }
                 Err(e) => {
                     start_error = Some(e);
                     break;
@@ -213,15 +241,25 @@ fn stop_vcpus(context: &VcpuContext, threads: Vec<VcpuThread>) -> Vec<Error> {
     failures
 }
 
-fn build_buses(config: &VmConfig, exit: &Arc<ExitRequest>) -> Result<(Bus, Bus)> {
+fn build_buses(
+    config: &VmConfig,
+    exit: &Arc<ExitRequest>,
+    irqchip: &Arc<dyn IrqChip>,
+    split: Option<&Arc<SplitIrqChip>>,
+) -> Result<(Bus, Bus)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
     let mut pio = Bus::new();
+    let mut mmio = Bus::new();
+    if let Some(chip) = split {
+        chip.register(&mut pio, &mut mmio).map_err(devices_err)?;
+    }
     let sink = match &config.serial {
         SerialOutput::Stdio => SerialSink::Stdout,
         SerialOutput::File(path) => SerialSink::File(path.clone()),
         SerialOutput::None => SerialSink::Sink,
     };
-    let serial = SerialDevice::new(&sink, Arc::new(NoIrq)).map_err(|e| Error::Option {
+    let com1_irq = Arc::new(IrqPin::new(irqchip.clone(), devices::serial::COM1_IRQ));
+    let serial = SerialDevice::new(&sink, com1_irq).map_err(|e| Error::Option {
         option: "--serial",
         value: format!("{:?}", config.serial),
         reason: e.to_string(),
@@ -239,9 +277,9 @@ fn build_buses(config: &VmConfig, exit: &Arc<ExitRequest>) -> Result<(Bus, Bus)>
         .map_err(|e| Error::Devices(e.to_string()))?;
     fw_cfg.register(&mut pio).map_err(devices_err)?;
     AcpiPm::new(exit.clone())
+        .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
-    let mmio = Bus::new();
     Ok((pio, mmio))
 }
 

@@ -11,9 +11,11 @@ use std::thread::JoinHandle;
 
 use devices::bus::IoDispatcher;
 use devices::exit::{ExitReason, ExitRequest};
+use devices::irqchip::SplitIrqChip;
 use hypervisor::{Vcpu, VcpuExit, VcpuKicker};
 
 use crate::error::{Error, Result};
+use crate::interrupts::BspExtInt;
 
 /// What every vCPU thread shares with the rest of the machine.
 pub struct VcpuContext {
@@ -25,6 +27,10 @@ pub struct VcpuContext {
     /// Log each vCPU's RIP when it is kicked (`FERROVM_SAMPLE_RIP_MS`), to see where a guest
     /// that prints nothing spends its time.
     pub sample_rip: bool,
+    /// The user-space PIC and IOAPIC in split irqchip mode.
+    pub split: Option<Arc<SplitIrqChip>>,
+    /// The 8259's INTR into the BSP (split mode).
+    pub extint: Arc<BspExtInt>,
 }
 
 pub struct VcpuThread {
@@ -84,6 +90,11 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
         if ctx.stop.load(Ordering::Acquire) {
             return Ok(());
         }
+        if id == 0 {
+            if let Some(chip) = &ctx.split {
+                ctx.extint.service(chip, vcpu);
+            }
+        }
         let exit = match vcpu.run() {
             Ok(exit) => exit,
             Err(e) => return Err(failure(vcpu, e.to_string())),
@@ -138,7 +149,9 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
             }
             VcpuExit::Halt | VcpuExit::Spurious => None,
             VcpuExit::IoapicEoi { vector } => {
-                log::debug!("vCPU {id}: IOAPIC EOI {vector:#x}");
+                if let Some(chip) = &ctx.split {
+                    chip.eoi(vector);
+                }
                 None
             }
             VcpuExit::Shutdown => Some("triple fault (shutdown)".to_string()),

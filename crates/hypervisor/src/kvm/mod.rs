@@ -6,9 +6,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid_entry2, kvm_enable_cap, kvm_msi, kvm_msr_entry, kvm_pit_config,
-    kvm_run, kvm_userspace_memory_region, kvm_xcr, kvm_xcrs, kvm_xsave, CpuId, Msrs,
-    KVM_CPUID_FLAG_SIGNIFCANT_INDEX, KVM_INTERNAL_ERROR_EMULATION, KVM_MAX_CPUID_ENTRIES,
+    kvm_clock_data, kvm_cpuid_entry2, kvm_enable_cap, kvm_irq_routing_entry, kvm_irq_routing_msi,
+    kvm_msi, kvm_msr_entry, kvm_pit_config, kvm_run, kvm_userspace_memory_region, kvm_xcr,
+    kvm_xcrs, kvm_xsave, CpuId, KvmIrqRouting, Msrs, KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
+    KVM_INTERNAL_ERROR_EMULATION, KVM_IRQ_ROUTING_MSI, KVM_MAX_CPUID_ENTRIES,
     KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY, KVM_SYSTEM_EVENT_RESET,
     KVM_SYSTEM_EVENT_SHUTDOWN,
 };
@@ -250,6 +251,31 @@ impl Vm for KvmVm {
             .signal_msi(msg)
             .map(|_| ())
             .map_err(ioctl_err("KVM_SIGNAL_MSI"))
+    }
+
+    fn set_msi_routes(&self, routes: &[(u32, MsiMessage)]) -> Result<()> {
+        let entries: Vec<kvm_irq_routing_entry> = routes
+            .iter()
+            .map(|(gsi, msi)| {
+                let mut entry = kvm_irq_routing_entry {
+                    gsi: *gsi,
+                    type_: KVM_IRQ_ROUTING_MSI,
+                    ..Default::default()
+                };
+                entry.u.msi = kvm_irq_routing_msi {
+                    address_lo: msi.address as u32,
+                    address_hi: (msi.address >> 32) as u32,
+                    data: msi.data,
+                    ..Default::default()
+                };
+                entry
+            })
+            .collect();
+        let table = KvmIrqRouting::from_entries(&entries)
+            .map_err(|_| HypervisorError::Invalid(format!("{} GSI routes", routes.len())))?;
+        self.fd
+            .set_gsi_routing(&table)
+            .map_err(ioctl_err("KVM_SET_GSI_ROUTING"))
     }
 
     fn dirty_log(&self, slot: u32, size: u64) -> Result<Vec<u64>> {
