@@ -57,4 +57,16 @@
 #define RFLAGS_IF		0x200
 #define RFLAGS_IOPL3		0x3000
 
+/* ---- SMP / LAPIC ---- */
+#define KIT_MAX_CPUS		32	/* CPUs the kit brings up at most */
+#define KSTACK_SHIFT		14
+#define KSTACK_SIZE		(1 << KSTACK_SHIFT)	/* kernel stack of each AP */
+#define AP_USTACK_SIZE		32768	/* ring-3 stack of each AP */
+#define AP_TRAMPOLINE_ADDR	0x3000	/* real-mode AP entry page (SIPI vector 0x03) */
+#define TSS_SEL_CPU(i)		(TSS_SEL + 16 * (i))	/* TSS descriptor of CPU i */
+#define CR0_MP			(1 << 1)
+#define CR0_ET			(1 << 4)
+#define CR0_NE			(1 << 5)
+/* ---- end of SMP / LAPIC ---- */
+
 #endif

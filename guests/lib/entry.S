@@ -169,7 +169,12 @@ gdt:
 	.quad	0x00cf9a000000ffff	/* 0x30 kernel code, 32-bit */
 gdt_tss_desc:
 	.quad	0, 0			/* 0x38 TSS, base filled in by cpu_init() */
+	.globl	gdt_ap_tss_desc
+gdt_ap_tss_desc:			/* TSS_SEL_CPU(i), i = 1.., filled in by each AP */
+	.fill	2 * (KIT_MAX_CPUS - 1), 8, 0
 gdt_end:
+	.globl	GDT_LIMIT		/* for the AP trampoline's own GDT pointer */
+	.set	GDT_LIMIT, gdt_end - gdt - 1
 	.balign 8
 	.word	0, 0, 0			/* so that the base below is 8-byte aligned */
 gdt_ptr:

@@ -21,16 +21,18 @@ NORETURN void exit_vm(u8 code)
 
 NORETURN void pass(void)
 {
+	console_lock();		/* never released: PASS stays the last line */
 	puts("PASS");
 	exit_vm(EXIT_PASS);
 }
 
 static NORETURN void vfail(u8 code, const char *fmt, va_list ap)
 {
+	console_lock();		/* one line, even with several CPUs printing */
 	printf("FAIL: ");
 	vprintf(fmt, ap);
 	putchar('\n');
-	exit_vm(code);
+	exit_vm(code);		/* the lock is never released: nothing prints after */
 }
 
 NORETURN void fail(const char *fmt, ...)

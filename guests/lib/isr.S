@@ -68,6 +68,30 @@ isr_common:
 	iretq
 
 /*
+ * Per-CPU ring-3 context (struct ring3_ctx in smp.c):
+ *   0  kernel_rsp     ring-0 context saved by enter_ring3_irq
+ *   8  rsp0_slot      address of this CPU's TSS.rsp0
+ *  16  ustack_top     top of this CPU's ring-3 stack
+ * Found from the current stack pointer: on AP i's kernel stack
+ * (ap_kstacks[i - 1], smp.c) it is ap_ring3[i - 1], anywhere else (the BSP's
+ * stack) ring3_ctx_bsp.  Only valid at CPL 0 on a CPU's kernel stack.
+ */
+	.noaltmacro			/* macro arguments below are %registers */
+.macro this_ring3_ctx reg
+	movq	%rsp, \reg
+	subq	$ap_kstacks, \reg
+	cmpq	$((KIT_MAX_CPUS - 1) * KSTACK_SIZE), \reg
+	jae	.Lctx_bsp\@
+	shrq	$KSTACK_SHIFT, \reg
+	leaq	(\reg, \reg, 2), \reg	/* * 24 */
+	leaq	ap_ring3(, \reg, 8), \reg
+	jmp	.Lctx_found\@
+.Lctx_bsp\@:
+	leaq	ring3_ctx_bsp(%rip), \reg
+.Lctx_found\@:
+.endm
+
+/*
  * u64 enter_ring3_irq(u64 (*fn)(u64), u64 arg, bool interrupts)
  *
  * Saves the ring-0 context on the current stack, points TSS.rsp0 just below
@@ -83,12 +107,15 @@ enter_ring3_irq:
 	pushq	%r13
 	pushq	%r14
 	pushq	%r15
-	pushq	ring3_kernel_rsp(%rip)
-	pushq	tss_rsp0(%rip)
+	this_ring3_ctx %rax
+	movq	8(%rax), %rcx		/* &TSS.rsp0 */
+	pushq	0(%rax)			/* previous kernel_rsp */
+	pushq	(%rcx)			/* previous TSS.rsp0 */
 	pushfq
 	cli
-	movq	%rsp, ring3_kernel_rsp(%rip)
-	movq	%rsp, tss_rsp0(%rip)
+	movq	%rsp, 0(%rax)
+	movq	%rsp, (%rcx)
+	movq	16(%rax), %r8		/* ring-3 stack */
 
 	movq	%rdi, %rbx		/* fn, called by ring3_entry */
 	movq	%rsi, %rdi		/* arg */
@@ -100,7 +127,7 @@ enter_ring3_irq:
 	movl	%ecx, %ds
 	movl	%ecx, %es
 	pushq	$UDATA			/* ss */
-	pushq	$ring3_stack_top	/* rsp */
+	pushq	%r8			/* rsp */
 	pushq	%rax			/* rflags */
 	pushq	$UCODE64		/* cs */
 	pushq	$ring3_entry		/* rip */
@@ -132,16 +159,16 @@ ring3_entry:
 	.globl ring3_resume
 ring3_resume:
 	movq	%rdi, %rax
-	movq	ring3_kernel_rsp(%rip), %rsp
+	this_ring3_ctx %rsi
+	movq	0(%rsi), %rsp
 	movl	$KDATA, %ecx
 	movl	%ecx, %ds
 	movl	%ecx, %es
 	movl	%ecx, %ss
 	popq	%rcx			/* saved rflags, restored last */
-	popq	%rdx
-	movq	%rdx, tss_rsp0(%rip)
-	popq	%rdx
-	movq	%rdx, ring3_kernel_rsp(%rip)
+	movq	8(%rsi), %r8
+	popq	(%r8)			/* TSS.rsp0 */
+	popq	0(%rsi)			/* kernel_rsp */
 	popq	%r15
 	popq	%r14
 	popq	%r13
@@ -154,8 +181,11 @@ ring3_resume:
 
 	.data
 	.balign 8
-ring3_kernel_rsp:
-	.quad	0
+	.globl ring3_ctx_bsp
+ring3_ctx_bsp:
+	.quad	0			/* kernel_rsp */
+	.quad	tss_rsp0		/* rsp0_slot */
+	.quad	ring3_stack_top		/* ustack_top */
 
 	.bss
 	.balign 4096

@@ -134,4 +134,151 @@ size_t strlen(const char *s);
 int strcmp(const char *a, const char *b);
 int strncmp(const char *a, const char *b, size_t n);
 
+/* ==================================================================== */
+/* ---- SMP / LAPIC (lib/lapic.c, lib/smp.c, lib/smp-entry.S) ---- */
+/*
+ * xAPIC in MMIO mode at 0xfee00000 (identity-mapped, uncached, user-
+ * accessible: the MMIO-only helpers below work at CPL 0 and CPL 3).
+ * Functions marked [ring 0] use CR8 or MSRs and must run at CPL 0.
+ */
+#define LAPIC_BASE		0xfee00000UL
+#define LAPIC_ID		0x020	/* bits 31:24 */
+#define LAPIC_VERSION		0x030
+#define LAPIC_TPR		0x080
+#define LAPIC_APR		0x090
+#define LAPIC_PPR		0x0a0
+#define LAPIC_EOI		0x0b0
+#define LAPIC_LDR		0x0d0
+#define LAPIC_DFR		0x0e0
+#define LAPIC_SVR		0x0f0
+#define LAPIC_ISR		0x100	/* 8 x 32 bits, stride 0x10 */
+#define LAPIC_TMR		0x180
+#define LAPIC_IRR		0x200
+#define LAPIC_ESR		0x280
+#define LAPIC_ICR_LO		0x300
+#define LAPIC_ICR_HI		0x310
+#define LAPIC_LVT_TIMER		0x320
+#define LAPIC_LVT_LINT0		0x350
+#define LAPIC_LVT_LINT1		0x360
+#define LAPIC_LVT_ERROR		0x370
+#define LAPIC_TIMER_INIT	0x380
+#define LAPIC_TIMER_CUR		0x390
+#define LAPIC_TIMER_DIV		0x3e0
+#define LAPIC_SPURIOUS_VECTOR	0xff
+#define LAPIC_LVT_MASKED	(1u << 16)
+#define LAPIC_TIMER_PERIODIC	(1u << 17)
+/* Divide-configuration register values for lapic_timer_periodic(). */
+#define LAPIC_DIV_1		0xb
+#define LAPIC_DIV_2		0x0
+#define LAPIC_DIV_4		0x1
+#define LAPIC_DIV_8		0x2
+#define LAPIC_DIV_16		0x3
+#define LAPIC_DIV_32		0x8
+#define LAPIC_DIV_64		0x9
+#define LAPIC_DIV_128		0xa
+
+static inline u32 lapic_read(u32 reg) { return *(volatile u32 *)(LAPIC_BASE + reg); }
+static inline void lapic_write(u32 reg, u32 v) { *(volatile u32 *)(LAPIC_BASE + reg) = v; }
+/* IRR / ISR / TMR bit of `vector` (reg = LAPIC_IRR, LAPIC_ISR, LAPIC_TMR). */
+static inline bool lapic_vector_bit(u32 reg, u8 vector)
+{
+	return (lapic_read(reg + 0x10 * (vector >> 5)) >> (vector & 31)) & 1;
+}
+
+/* [ring 0] APIC globally enabled (IA32_APIC_BASE), SVR software-enable with
+ * spurious vector 0xff (a handler that ignores it is installed), TPR 0.
+ * LVTs are left alone (KVM's BSP has LINT0 = ExtINT for PIC mode). */
+void lapic_enable(void);
+/* Masks LVT LINT0 (where the 8259's ExtINT arrives on the BSP): for guests
+ * that enable interrupts but want nothing from the PIC (SeaBIOS leaves the
+ * PIT running at 18.2 Hz through the PIC, IRQ 0 at vector 8). */
+void lapic_mask_lint0(void);
+u32 lapic_id(void);				/* this CPU's APIC ID (ID register 31:24) */
+void lapic_eoi(void);
+/* IPIs (fixed delivery, edge, assert).  Each waits for ICR idle, writes
+ * ICR_HI then ICR_LO: do not send from an interrupt handler while the same
+ * CPU may be in the middle of sending one. */
+void lapic_send_ipi(u32 apic_id, u8 vector);		/* physical destination */
+void lapic_send_ipi_logical(u8 dest_mask, u8 vector);	/* flat logical destination */
+void lapic_broadcast_ipi(u8 vector, int include_self);	/* all-incl./all-excl.-self shorthand */
+void lapic_self_ipi(u8 vector);				/* self shorthand */
+void lapic_send_icr(u32 dest_field, u32 icr_lo);	/* raw: ICR_HI = dest << 24, ICR_LO */
+/* Flat logical mode: DFR = 0xffffffff, LDR = id << 24.  `id` is the 8-bit
+ * logical APIC ID itself (a bit mask in flat mode, e.g. 1 << cpu_index()). */
+void lapic_set_logical_id(u8 id);
+/* [ring 0] TPR through CR8.  Takes / returns the 8-bit TPR value
+ * (0x50 = priority class 5): CR8 = tpr >> 4, get_tpr() = CR8 << 4. */
+void set_tpr(u8 tpr);
+u8 get_tpr(void);
+/* LAPIC timer: periodic, unmasked, `vector`; divide_cfg is a LAPIC_DIV_*
+ * value; writing initial_count starts it.  (KVM's timer runs at 1 GHz
+ * before the divider.) */
+void lapic_timer_periodic(u8 vector, u32 initial_count, u32 divide_cfg);
+void lapic_timer_oneshot(u8 vector, u32 initial_count, u32 divide_cfg);
+void lapic_timer_stop(void);			/* initial count 0, LVT masked */
+
+/* TSC frequency in Hz, measured once (~10 ms) at the first call: against
+ * PIT channel 2 (port 0x61 gate; channel 0 is not touched); where there is
+ * none (QEMU microvm) and the hypervisor is KVM, against the LAPIC timer at
+ * KVM's 1 GHz (this stops the LAPIC timer: call tsc_hz() before using it);
+ * else CPUID 0x15/0x16.  Call it at CPL 0 first (port I/O, CPUID). */
+u64 tsc_hz(void);
+void tsc_delay_us(u64 us);			/* busy-waits on the TSC */
+
+/* ---- SMP ---- */
+/* KIT_MAX_CPUS (defs.h) CPUs at most; more vCPUs are left halted. */
+/* 0 = BSP; APs 1..n-1 in the order they started.  Looks the APIC ID up in
+ * the table filled at AP start-up (any ring; returns 0 before APs exist). */
+unsigned cpu_index(void);
+/* INIT-SIPI-SIPI (all-excluding-self shorthand) to start the other
+ * cpu_count() - 1 vCPUs; waits until each reported in (timeout ~2 s);
+ * returns how many started.  Each AP gets its own kernel stack, TSS (I/O
+ * bitmap open, its own RSP0/IST1, so enter_ring3*() works on it) and
+ * 32 KiB ring-3 stack, loads the shared GDT and IDT, enters long mode,
+ * enables its LAPIC (lapic_enable()) and calls ap_main(idx) in ring 0 with
+ * interrupts off.  When ap_main returns the AP counts itself in
+ * smp_aps_finished() and halts with interrupts off.  Call once, from the
+ * BSP at CPL 0.  The BSP's LAPIC is enabled too. */
+unsigned smp_start_aps(void (*ap_main)(unsigned idx));
+unsigned smp_cpus_online(void);		/* 1 + APs started */
+unsigned smp_aps_finished(void);	/* APs whose ap_main returned */
+u32 cpu_apic_id(unsigned idx);		/* APIC ID of CPU idx (valid once online) */
+
+/* Spinlocks and atomics: usable at CPL 0 and CPL 3. */
+typedef struct { volatile u32 v; } spinlock_t;
+#define SPINLOCK_INIT { 0 }
+void spin_lock(spinlock_t *l);
+void spin_unlock(spinlock_t *l);
+bool spin_trylock(spinlock_t *l);
+static inline u32 atomic_add(volatile u32 *p, u32 v)	/* lock xadd; returns the new value */
+{
+	u32 old = v;
+	__asm__ volatile("lock xaddl %0, %1" : "+r"(old), "+m"(*p) :: "memory");
+	return old + v;
+}
+static inline u32 atomic_inc(volatile u32 *p) { return atomic_add(p, 1); }
+static inline u32 atomic_dec(volatile u32 *p) { return atomic_add(p, (u32)-1); }
+static inline u32 atomic_xchg(volatile u32 *p, u32 v)	/* returns the old value */
+{
+	__asm__ volatile("xchgl %0, %1" : "+r"(v), "+m"(*p) :: "memory");
+	return v;
+}
+static inline u32 atomic_cmpxchg(volatile u32 *p, u32 old, u32 new_)	/* returns the old value */
+{
+	__asm__ volatile("lock cmpxchgl %2, %1" : "+a"(old), "+m"(*p) : "r"(new_) : "memory");
+	return old;
+}
+/* Reusable barrier for `n` CPUs (any ring): all callers leave together. */
+typedef struct { volatile u32 count, generation; } smp_barrier_t;
+#define SMP_BARRIER_INIT { 0, 0 }
+void smp_barrier_wait(smp_barrier_t *b, unsigned n);
+
+/* The console lock printf/puts/putchar take (per call; recursive per CPU,
+ * so an interrupt handler may print).  Hold it across several calls to keep
+ * a multi-part line together.  No-ops until APs have been started. */
+void console_lock(void);
+void console_unlock(void);
+/* ---- end of SMP / LAPIC ---- */
+/* ==================================================================== */
+
 #endif

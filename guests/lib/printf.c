@@ -30,17 +30,22 @@ void serial_write(const char *s, size_t n)
 		serial_putc(*s++);
 }
 
+/* printf, vprintf, puts and putchar hold the console lock (smp.c) per call. */
 int putchar(int c)
 {
+	console_lock();
 	serial_putc((char)c);
+	console_unlock();
 	return (u8)c;
 }
 
 int puts(const char *s)
 {
 	size_t n = strlen(s);
+	console_lock();
 	serial_write(s, n);
 	serial_putc('\n');
+	console_unlock();
 	return (int)n + 1;
 }
 
@@ -243,7 +248,9 @@ static void format(struct sink *o, const char *fmt, va_list ap)
 int vprintf(const char *fmt, va_list ap)
 {
 	struct sink o = { 0 };
+	console_lock();
 	format(&o, fmt, ap);
+	console_unlock();
 	return (int)o.pos;
 }
 
