@@ -33,6 +33,9 @@ pub mod exit;
 pub mod fw_cfg;
 /// The PC's reset line.
 pub mod i8042;
+pub mod irqchip;
+pub mod pit;
+pub mod rtc;
 /// The guest console.
 pub mod serial;
 
