@@ -6,6 +6,7 @@ mod error;
 mod interrupts;
 mod machine;
 pub mod memory;
+mod timers;
 mod vcpu;
 
 pub use error::{Error, Result};

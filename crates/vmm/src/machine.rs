@@ -12,6 +12,8 @@ use devices::exit::{ExitReason, ExitRequest};
 use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
 use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
+use devices::pit::Pit;
+use devices::rtc::Rtc;
 use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{open_accelerator, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu, Vm};
 use vmm_sys_util::eventfd::EventFd;
@@ -20,10 +22,13 @@ use crate::config::{IrqChipKind, SerialOutput, VmConfig};
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
+use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 
 /// The ACPI SCI line, as the FADT and MADT advertise it.
 const ACPI_SCI_IRQ: u32 = 9;
+/// The CMOS RTC's periodic/alarm/update interrupt.
+const RTC_IRQ: u32 = 8;
 
 /// How the machine ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +61,7 @@ struct Machine {
     _vm: Arc<dyn Vm>,
     vcpus: Vec<Box<dyn Vcpu>>,
     context: Arc<VcpuContext>,
+    timers: Option<TimerDevices>,
 }
 
 fn open_kernel(config: &VmConfig) -> Result<File> {
@@ -152,7 +158,9 @@ impl Machine {
         })?;
 
         let exit = Arc::new(ExitRequest::new()?);
-        let (pio, mmio) = build_buses(config, &exit, &irqchip, split.as_ref())?;
+        let timer_wake = Arc::new(TimerWake::default());
+        let (pio, mmio, timers) =
+            build_buses(config, &exit, &irqchip, split.as_ref(), &timer_wake)?;
         let context = Arc::new(VcpuContext {
             pio: Arc::new(IoDispatcher::new("pio", Arc::new(pio))),
             mmio: Arc::new(IoDispatcher::new("mmio", Arc::new(mmio))),
@@ -178,11 +186,16 @@ impl Machine {
             _vm: vm,
             vcpus,
             context,
+            timers: Some(timers),
         })
     }
 
     fn run(mut self) -> Result<Outcome> {
         let signals = SignalWatch::install()?;
+        let timer_thread = match self.timers.take() {
+            Some(devices) => Some(TimerThread::spawn(devices)?),
+            None => None,
+        };
         let mut threads = Vec::new();
         let mut start_error = None;
         for vcpu in self.vcpus.drain(..) {
@@ -205,6 +218,9 @@ impl Machine {
             None
         };
         let failures = stop_vcpus(&self.context, threads);
+        if let Some(t) = timer_thread {
+            t.stop();
+        }
         if let Some(e) = start_error {
             return Err(e);
         }
@@ -246,13 +262,23 @@ fn build_buses(
     exit: &Arc<ExitRequest>,
     irqchip: &Arc<dyn IrqChip>,
     split: Option<&Arc<SplitIrqChip>>,
-) -> Result<(Bus, Bus)> {
+    timer_wake: &Arc<TimerWake>,
+) -> Result<(Bus, Bus, TimerDevices)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
+    let mut pit = None;
     if let Some(chip) = split {
         chip.register(&mut pio, &mut mmio).map_err(devices_err)?;
+        let mut model = Pit::new();
+        model.set_waker(timer_wake.clone());
+        pit = Some(model.register(&mut pio).map_err(devices_err)?);
     }
+    let mut rtc = Rtc::new(IrqPin::new(irqchip.clone(), RTC_IRQ));
+    rtc.set_waker(timer_wake.clone());
+    let below_4g = config.memory.min(boot::layout::MMIO_HOLE_START);
+    rtc.set_memory_sizes(below_4g, config.memory - below_4g);
+    let rtc = rtc.register(&mut pio).map_err(devices_err)?;
     let sink = match &config.serial {
         SerialOutput::Stdio => SerialSink::Stdout,
         SerialOutput::File(path) => SerialSink::File(path.clone()),
@@ -280,7 +306,13 @@ fn build_buses(
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
-    Ok((pio, mmio))
+    let timers = TimerDevices {
+        pit,
+        rtc,
+        irqchip: irqchip.clone(),
+        wake: timer_wake.clone(),
+    };
+    Ok((pio, mmio, timers))
 }
 
 /// Register state for a 32-bit flat protected-mode entry with paging off, which every boot

@@ -13,6 +13,10 @@ use kvm_bindings::{
     KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY, KVM_SYSTEM_EVENT_RESET,
     KVM_SYSTEM_EVENT_SHUTDOWN,
 };
+use kvm_bindings::{
+    kvm_irq_routing_irqchip, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_IRQ_ROUTING_IRQCHIP,
+};
 use kvm_ioctls::{Cap, Kvm, VcpuExit as KvmExit, VcpuFd, VmFd};
 
 use crate::kick;
@@ -170,6 +174,47 @@ pub struct KvmVm {
     fd: VmFd,
 }
 
+impl KvmVm {
+    /// The PC wiring of the in-kernel controllers, as ferrovm's MADT and MP table declare it:
+    /// ISA IRQ n reaches PIC input n and IOAPIC pin n, except IRQ 0 (the PIT), which the
+    /// IOAPIC sees on pin 2. KVM's default table sends IRQ 0 to pin 0.
+    fn install_pc_irq_routing(&self) -> Result<()> {
+        let route = |gsi: u32, irqchip: u32, pin: u32| {
+            let mut entry = kvm_irq_routing_entry {
+                gsi,
+                type_: KVM_IRQ_ROUTING_IRQCHIP,
+                ..Default::default()
+            };
+            entry.u.irqchip = kvm_irq_routing_irqchip { irqchip, pin };
+            entry
+        };
+        let mut entries = Vec::new();
+        for irq in 0..16u32 {
+            if irq == 2 {
+                continue; // the cascade
+            }
+            let (chip, pin) = if irq < 8 {
+                (KVM_IRQCHIP_PIC_MASTER, irq)
+            } else {
+                (KVM_IRQCHIP_PIC_SLAVE, irq - 8)
+            };
+            entries.push(route(irq, chip, pin));
+        }
+        for gsi in 0..24u32 {
+            match gsi {
+                0 => entries.push(route(0, KVM_IRQCHIP_IOAPIC, 2)),
+                2 => {}
+                _ => entries.push(route(gsi, KVM_IRQCHIP_IOAPIC, gsi)),
+            }
+        }
+        let table = KvmIrqRouting::from_entries(&entries)
+            .map_err(|_| HypervisorError::Invalid("IRQ routing table".into()))?;
+        self.fd
+            .set_gsi_routing(&table)
+            .map_err(ioctl_err("KVM_SET_GSI_ROUTING"))
+    }
+}
+
 impl Vm for KvmVm {
     unsafe fn map_memory(&self, region: &MemoryRegion) -> Result<()> {
         let mut flags = 0;
@@ -197,6 +242,7 @@ impl Vm for KvmVm {
                 self.fd
                     .create_irq_chip()
                     .map_err(ioctl_err("KVM_CREATE_IRQCHIP"))?;
+                self.install_pc_irq_routing()?;
                 let pit = kvm_pit_config {
                     flags: KVM_PIT_SPEAKER_DUMMY,
                     ..Default::default()
