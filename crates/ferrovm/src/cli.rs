@@ -94,7 +94,6 @@ impl RunArgs {
         let unsupported = [
             ("--disk", self.disk.is_some()),
             ("--net", self.net.is_some()),
-            ("--api-socket", self.api_socket.is_some()),
             ("--incoming", self.incoming.is_some()),
             ("--restore", self.restore.is_some()),
         ];
@@ -122,6 +121,7 @@ impl RunArgs {
         };
         config.serial = parse_serial(&self.serial)?;
         config.wired = self.wired;
+        config.api_socket = self.api_socket;
         Ok(config)
     }
 }
@@ -132,11 +132,39 @@ pub struct CtlArgs {
     #[arg(long, value_name = "PATH")]
     pub api_socket: PathBuf,
     /// Print one JSON object.
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub json: bool,
-    /// status | pause | resume | shutdown | snapshot FILE | migrate tcp:HOST:PORT ...
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
-    pub request: Vec<String>,
+    #[command(subcommand)]
+    pub request: CtlRequest,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CtlRequest {
+    /// State, vCPUs, memory and migration progress.
+    Status,
+    /// Stop the vCPUs.
+    Pause,
+    /// Let the vCPUs run again.
+    Resume,
+    /// Power the guest off.
+    Shutdown,
+    /// Write a snapshot of the machine to FILE.
+    Snapshot { file: PathBuf },
+    /// Live-migrate to a `ferrovm run --incoming` listener.
+    Migrate {
+        /// tcp:HOST:PORT
+        destination: String,
+        #[arg(long, value_name = "BYTES_PER_S")]
+        max_bandwidth: Option<u64>,
+        #[arg(long, value_name = "N")]
+        downtime_ms: Option<u64>,
+        #[arg(long, value_name = "N")]
+        max_rounds: Option<u32>,
+        #[arg(long, value_name = "N")]
+        max_time_s: Option<u64>,
+        #[arg(long)]
+        auto_converge: bool,
+    },
 }
 
 #[derive(Args, Debug)]

@@ -5,6 +5,8 @@
 //! 128 + signal number when stopped by SIGINT or SIGTERM.
 
 mod cli;
+mod ctl;
+mod report;
 
 use std::process::ExitCode;
 
@@ -44,6 +46,6 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
             cli::print_accel(&args)?;
             Ok(0)
         }
-        Command::Ctl(_) => anyhow::bail!("ctl: not supported yet"),
+        Command::Ctl(args) => ctl::run(&args),
     }
 }

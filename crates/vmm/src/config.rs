@@ -34,6 +34,7 @@ pub struct VmConfig {
     pub accel: hypervisor::AccelKind,
     pub serial: SerialOutput,
     pub wired: bool,
+    pub api_socket: Option<PathBuf>,
 }
 
 impl VmConfig {
@@ -49,6 +50,7 @@ impl VmConfig {
             accel: hypervisor::AccelKind::Auto,
             serial: SerialOutput::Stdio,
             wired: false,
+            api_socket: None,
         }
     }
 }

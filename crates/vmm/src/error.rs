@@ -30,6 +30,8 @@ pub enum Error {
     #[error("vCPU {id}: {reason}")]
     Vcpu { id: u32, reason: String },
     #[error("{0}")]
+    Control(String),
+    #[error("{0}")]
     Io(#[from] std::io::Error),
 }
 

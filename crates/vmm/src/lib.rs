@@ -1,7 +1,9 @@
 //! Assembles a machine from a [`config::VmConfig`] and runs it until the guest or the
 //! operator ends it.
 
+pub mod api;
 pub mod config;
+mod control;
 mod error;
 mod interrupts;
 mod machine;

@@ -18,7 +18,9 @@ use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{open_accelerator, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu, Vm};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::api::{Api, MachineInfo, SocketGuard};
 use crate::config::{IrqChipKind, SerialOutput, VmConfig};
+use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
@@ -62,6 +64,7 @@ struct Machine {
     vcpus: Vec<Box<dyn Vcpu>>,
     context: Arc<VcpuContext>,
     timers: Option<TimerDevices>,
+    api: Option<(std::os::unix::net::UnixListener, Arc<Api>, SocketGuard)>,
 }
 
 fn open_kernel(config: &VmConfig) -> Result<File> {
@@ -169,7 +172,29 @@ impl Machine {
             sample_rip: rip_sample_period().is_some(),
             split,
             extint,
+            control: Arc::new(RunControl::default()),
         });
+
+        let api = match &config.api_socket {
+            Some(path) => {
+                let listener = crate::api::bind(path)?;
+                let info = MachineInfo {
+                    vcpus: config.cpus,
+                    memory: config.memory,
+                    irqchip: match config.irqchip {
+                        IrqChipKind::Kernel => "kernel",
+                        IrqChipKind::Split => "split",
+                    },
+                };
+                let api = Arc::new(Api::new(
+                    context.control.clone(),
+                    context.exit.clone(),
+                    info,
+                ));
+                Some((listener, api, SocketGuard(path.clone())))
+            }
+            None => None,
+        };
 
         let supported_cpuid = hv.supported_cpuid()?;
         let mut vcpus = Vec::new();
@@ -187,6 +212,7 @@ impl Machine {
             vcpus,
             context,
             timers: Some(timers),
+            api,
         })
     }
 
@@ -212,6 +238,16 @@ impl Machine {
                 }
             }
         }
+        self.context
+            .control
+            .set_kickers(threads.iter().map(|t| t.kicker).collect());
+        let _socket = match self.api.take() {
+            Some((listener, api, guard)) if start_error.is_none() => {
+                crate::api::serve(listener, api)?;
+                Some(guard)
+            }
+            other => other.map(|(_, _, guard)| guard),
+        };
         let outcome = if start_error.is_none() {
             signals.wait(&self.context.exit, rip_sample_period(), &threads)
         } else {

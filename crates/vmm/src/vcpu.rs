@@ -14,6 +14,7 @@ use devices::exit::{ExitReason, ExitRequest};
 use devices::irqchip::SplitIrqChip;
 use hypervisor::{Vcpu, VcpuExit, VcpuKicker};
 
+use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::BspExtInt;
 
@@ -31,6 +32,7 @@ pub struct VcpuContext {
     pub split: Option<Arc<SplitIrqChip>>,
     /// The 8259's INTR into the BSP (split mode).
     pub extint: Arc<BspExtInt>,
+    pub control: Arc<RunControl>,
 }
 
 pub struct VcpuThread {
@@ -89,6 +91,10 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
     loop {
         if ctx.stop.load(Ordering::Acquire) {
             return Ok(());
+        }
+        if ctx.control.pause_requested() {
+            ctx.control.park(&ctx.stop);
+            continue;
         }
         if id == 0 {
             if let Some(chip) = &ctx.split {

@@ -1,0 +1,28 @@
+//! Human-readable migration figures.
+
+use serde_json::Value;
+
+pub fn print_migration(v: &Value) {
+    let report = &v["report"];
+    if let Some(rounds) = report["rounds"].as_array() {
+        println!("round  duration_ms  pages_sent  zero_pages  MiB_sent  dirty_found");
+        for r in rounds {
+            println!(
+                "{:>5}  {:>11.1}  {:>10}  {:>10}  {:>8.1}  {:>11}",
+                r["index"],
+                r["duration_ms"].as_f64().unwrap_or(0.0),
+                r["pages_sent"],
+                r["zero_pages"],
+                r["bytes_sent"].as_u64().unwrap_or(0) as f64 / 1048576.0,
+                r["dirty_pages_found"],
+            );
+        }
+    }
+    println!(
+        "total {:.1} ms, downtime {:.1} ms, {:.1} MiB sent, converged: {}",
+        report["total_ms"].as_f64().unwrap_or(0.0),
+        report["downtime_ms"].as_f64().unwrap_or(0.0),
+        report["bytes_total"].as_u64().unwrap_or(0) as f64 / 1048576.0,
+        report["converged"],
+    );
+}
