@@ -23,9 +23,12 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::exit::{ExitReason, ExitRequest};
 use crate::serial::{IrqLine, NoIrq};
+use crate::state::StateError;
 
 /// First port of the register block (the FADT's PM1a event block).
 pub const PM_BASE: u64 = 0x600;
@@ -81,7 +84,7 @@ pub const SLP_EN: u16 = 1 << 13;
 const CNT_STORED: u16 = BM_RLD | SLP_TYP_MASK;
 
 /// Guest-visible state, for snapshots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct AcpiPmState {
     /// PM1 status bits latched by events (TMR_STS is derived from the timer instead).
     pub pm1_status: u16,
@@ -176,13 +179,28 @@ impl AcpiPm {
     }
 
     /// Restores a state captured by [`AcpiPm::state`]; the timer continues from the value
-    /// it had then.
-    pub fn restore(&mut self, state: &AcpiPmState) {
-        self.pm1_status = state.pm1_status & STS_W1C & !TMR_STS;
-        self.pm1_enable = state.pm1_enable & EN_MASK;
-        self.pm1_control = state.pm1_control & CNT_STORED;
+    /// it had then. Bits the registers do not have, or a TMR_STS mark ahead of the timer,
+    /// are refused.
+    pub fn restore(&mut self, state: &AcpiPmState) -> Result<(), StateError> {
+        let err = |what: &str, v: u64| Err(StateError::new("ACPI PM", format!("{what} {v:#x}")));
+        if state.pm1_status & !(STS_W1C & !TMR_STS) != 0 {
+            return err("PM1 status", state.pm1_status.into());
+        }
+        if state.pm1_enable & !EN_MASK != 0 {
+            return err("PM1 enable", state.pm1_enable.into());
+        }
+        if state.pm1_control & !CNT_STORED != 0 {
+            return err("PM1 control", state.pm1_control.into());
+        }
+        if state.timer_sts_mark > state.timer_ticks >> 23 {
+            return err("TMR_STS mark", state.timer_sts_mark);
+        }
+        self.pm1_status = state.pm1_status;
+        self.pm1_enable = state.pm1_enable;
+        self.pm1_control = state.pm1_control;
         self.timer_sts_mark = state.timer_sts_mark;
         self.timer_offset = state.timer_ticks.wrapping_sub(self.clock_ticks());
+        Ok(())
     }
 
     /// Presses the fixed-feature power button: sets PWRBTN_STS and raises the SCI if the
@@ -490,7 +508,9 @@ mod tests {
         // A new machine whose clock reads something else entirely.
         let g = setup();
         g.now.store(77_000_000_000, Ordering::SeqCst);
-        g.dev.lock().unwrap().restore(&s);
+        let json = serde_json::to_string(&s).unwrap();
+        let carried: AcpiPmState = serde_json::from_str(&json).unwrap();
+        g.dev.lock().unwrap().restore(&carried).unwrap();
         assert_eq!(g.dev.lock().unwrap().state(), s);
         assert_eq!(inl(&g.bus, 0x608), ticks_in(123_000_000) as u32);
         g.now.fetch_add(1_000_000, Ordering::SeqCst);
@@ -500,6 +520,45 @@ mod tests {
         );
         assert_eq!(inw(&g.bus, 0x600), PWRBTN_STS);
         assert_eq!(inw(&g.bus, 0x604), SCI_EN | (3 << SLP_TYP_SHIFT));
+    }
+
+    #[test]
+    fn restore_refuses_impossible_state() {
+        let f = setup();
+        outw(&f.bus, 0x602, PWRBTN_STS | TMR_STS);
+        f.dev.lock().unwrap().power_button();
+        f.now.fetch_add(5_000_000_000, Ordering::SeqCst); // TMR_STS set
+        outw(&f.bus, 0x600, TMR_STS); // and cleared: the mark moves
+        let good = f.dev.lock().unwrap().state();
+        assert_eq!(good.timer_sts_mark, good.timer_ticks >> 23);
+        let mut d = f.dev.lock().unwrap();
+        for bad in [
+            AcpiPmState {
+                pm1_status: TMR_STS, // derived from the timer, never stored
+                ..good
+            },
+            AcpiPmState {
+                pm1_status: 1 << 2,
+                ..good
+            },
+            AcpiPmState {
+                pm1_enable: 1 << 15,
+                ..good
+            },
+            AcpiPmState {
+                pm1_control: SLP_EN,
+                ..good
+            },
+            AcpiPmState {
+                timer_sts_mark: (good.timer_ticks >> 23) + 1,
+                ..good
+            },
+        ] {
+            assert!(d.restore(&bad).is_err(), "{bad:?}");
+            assert_eq!(d.state(), good, "unchanged");
+        }
+        d.restore(&good).unwrap();
+        assert!(serde_json::from_str::<AcpiPmState>("{}").is_err());
     }
 
     #[test]
@@ -528,5 +587,11 @@ mod tests {
         d.write(0, &[]);
         // Random writes may well have entered S5; fine.
         let _ = f.exit.reason();
+        // Whatever the guest did, the state it left restores.
+        let st = d.state();
+        drop(d);
+        let g = setup();
+        g.dev.lock().unwrap().restore(&st).unwrap();
+        assert_eq!(g.dev.lock().unwrap().state(), st);
     }
 }

@@ -14,7 +14,10 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::{Bus, BusDevice, BusError};
+use crate::state::StateError;
 
 /// Selector port (16-bit writes).
 pub const SELECTOR_PORT: u64 = 0x510;
@@ -72,7 +75,7 @@ pub enum FwCfgError {
 
 /// Guest-visible state, for snapshots. Items are configuration and are
 /// rebuilt by the VMM on the destination.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct FwCfgState {
     /// The last key written to the selector port.
     pub selector: u16,
@@ -174,9 +177,23 @@ impl FwCfg {
         self.state
     }
 
-    /// Restores a state captured by [`FwCfg::state`].
-    pub fn restore(&mut self, state: &FwCfgState) {
+    /// Restores a state captured by [`FwCfg::state`], on a device holding the
+    /// same items (add them first). A read position past the end of the
+    /// selected item, or inside an item that does not exist, is refused.
+    pub fn restore(&mut self, state: &FwCfgState) -> Result<(), StateError> {
+        let key = state.selector & !FW_CFG_WRITE_CHANNEL;
+        let len = self.items.get(&key).map_or(0, Vec::len);
+        if usize::try_from(state.offset).map_or(true, |o| o > len) {
+            return Err(StateError::new(
+                "fw_cfg",
+                format!(
+                    "read position {} in item {:#06x} of {len} bytes",
+                    state.offset, state.selector
+                ),
+            ));
+        }
         self.state = *state;
+        Ok(())
     }
 
     /// Directory layout: u32 BE count, then per file (in name order)
@@ -417,10 +434,53 @@ mod tests {
         read(&bus, 2);
         let s = dev.lock().unwrap().state();
         let mut other = FwCfg::new(1, 1 << 20);
-        other.restore(&s);
+        other.restore(&s).unwrap();
         let mut d = [0u8];
         other.read(1, &mut d);
         assert_eq!(d[0], b'M');
+    }
+
+    #[test]
+    fn state_survives_serde_after_activity() {
+        let (bus, dev) = setup();
+        dev.lock()
+            .unwrap()
+            .add_file("etc/boot-order", b"/disk@0".to_vec())
+            .unwrap();
+        select(&bus, 0x20 | FW_CFG_WRITE_CHANNEL);
+        assert_eq!(read(&bus, 3), b"/di");
+        let s = dev.lock().unwrap().state();
+        let json = serde_json::to_string(&s).unwrap();
+        let back: FwCfgState = serde_json::from_str(&json).unwrap();
+
+        // The destination builds the same items, then takes the state.
+        let (bus2, dev2) = setup();
+        dev2.lock()
+            .unwrap()
+            .add_file("etc/boot-order", b"/disk@0".to_vec())
+            .unwrap();
+        dev2.lock().unwrap().restore(&back).unwrap();
+        assert_eq!(dev2.lock().unwrap().state(), s);
+        assert_eq!(read(&bus2, 5), b"sk@0\0");
+
+        // Positions that cannot be: past the end, inside an unknown item.
+        let mut d = dev2.lock().unwrap();
+        let bad = FwCfgState {
+            selector: 0x20,
+            offset: 8,
+        };
+        assert!(d.restore(&bad).is_err());
+        let bad = FwCfgState {
+            selector: 0x1234,
+            offset: 1,
+        };
+        assert!(d.restore(&bad).is_err());
+        d.restore(&FwCfgState {
+            selector: 0x20,
+            offset: 7,
+        })
+        .unwrap();
+        assert!(serde_json::from_str::<FwCfgState>("{\"selector\": -1, \"offset\": 0}").is_err());
     }
 
     #[test]
@@ -445,12 +505,19 @@ mod tests {
             }
         }
         let mut d = dev.lock().unwrap();
-        d.restore(&FwCfgState {
-            selector: FW_CFG_FILE_DIR,
-            offset: u32::MAX,
-        });
+        // Whatever the guest did, the state it left restores (on the same items).
+        let st = d.state();
+        let mut other = d.clone();
+        other.restore(&FwCfgState::default()).unwrap();
+        other.restore(&st).unwrap();
+        assert_eq!(other.state(), st);
+        assert!(d
+            .restore(&FwCfgState {
+                selector: FW_CFG_FILE_DIR,
+                offset: u32::MAX,
+            })
+            .is_err());
         d.read(1, &mut buf[..1]);
-        assert_eq!(buf[0], 0);
         d.read(u64::MAX, &mut buf);
         d.write(u64::MAX, &buf);
     }

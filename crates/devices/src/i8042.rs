@@ -11,8 +11,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::exit::{ExitReason, ExitRequest};
+use crate::state::StateError;
 
 /// Data port (read: output buffer, write: device data / command parameter).
 pub const DATA_PORT: u64 = 0x60;
@@ -59,7 +62,7 @@ const OUTPUT_PORT_RESET: u8 = 0x01;
 const OUTPUT_PORT_DEFAULT: u8 = 0x03;
 
 /// Guest-visible state, for snapshots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct I8042State {
     /// Controller configuration byte ("command byte").
     pub ctr: u8,
@@ -111,9 +114,19 @@ impl I8042 {
         self.state
     }
 
-    /// Restores a state captured by [`I8042::state`].
-    pub fn restore(&mut self, state: &I8042State) {
+    /// Restores a state captured by [`I8042::state`]. A pending command that
+    /// takes no parameter byte is refused (the controller never holds one).
+    pub fn restore(&mut self, state: &I8042State) -> Result<(), StateError> {
+        if let Some(cmd) = state.pending_command {
+            if !takes_parameter(cmd) {
+                return Err(StateError::new(
+                    "i8042",
+                    format!("pending command {cmd:#04x} takes no parameter"),
+                ));
+            }
+        }
         self.state = *state;
+        Ok(())
     }
 
     fn status(&self) -> u8 {
@@ -142,11 +155,7 @@ impl I8042 {
             CMD_READ_CTR => self.state.output = Some(self.state.ctr),
             // The rest of the controller RAM reads as zero.
             0x21..=0x3f => self.state.output = Some(0),
-            CMD_WRITE_CTR..=0x7f
-            | CMD_WRITE_OUTPUT_PORT
-            | CMD_WRITE_KBD_OUTBUF
-            | CMD_WRITE_AUX_OUTBUF
-            | CMD_WRITE_AUX => self.state.pending_command = Some(cmd),
+            _ if takes_parameter(cmd) => self.state.pending_command = Some(cmd),
             CMD_AUX_DISABLE => self.state.ctr |= CTR_AUX_DISABLE,
             CMD_AUX_ENABLE => self.state.ctr &= !CTR_AUX_DISABLE,
             // No mouse: report "clock line stuck low" so the probe fails fast.
@@ -176,6 +185,19 @@ impl I8042 {
             None => {}
         }
     }
+}
+
+/// Commands followed by a parameter byte on the data port.
+fn takes_parameter(cmd: u8) -> bool {
+    matches!(
+        cmd,
+        CMD_WRITE_CTR
+            ..=0x7f
+                | CMD_WRITE_OUTPUT_PORT
+                | CMD_WRITE_KBD_OUTBUF
+                | CMD_WRITE_AUX_OUTBUF
+                | CMD_WRITE_AUX
+    )
 }
 
 impl BusDevice for I8042 {
@@ -269,8 +291,36 @@ mod tests {
 
         let s = dev.lock().unwrap().state();
         let mut other = I8042::new(Arc::new(ExitRequest::new().unwrap()));
-        other.restore(&s);
+        other.restore(&s).unwrap();
         assert_eq!(other.state(), s);
+    }
+
+    #[test]
+    fn state_survives_serde_after_activity() {
+        let (_exit, bus, dev) = setup();
+        bus.write(COMMAND_PORT, &[CMD_KBD_DISABLE]);
+        bus.write(COMMAND_PORT, &[CMD_SELF_TEST]); // 0x55 waits in the output buffer
+        bus.write(COMMAND_PORT, &[CMD_WRITE_KBD_OUTBUF]); // waits for its parameter
+        let s = dev.lock().unwrap().state();
+        assert_eq!(s.output, Some(0x55));
+        assert_eq!(s.pending_command, Some(CMD_WRITE_KBD_OUTBUF));
+        let json = serde_json::to_string(&s).unwrap();
+        let back: I8042State = serde_json::from_str(&json).unwrap();
+
+        let (_exit2, bus2, dev2) = setup();
+        dev2.lock().unwrap().restore(&back).unwrap();
+        assert_eq!(dev2.lock().unwrap().state(), s);
+        assert_eq!(inb(&bus2, COMMAND_PORT) & STATUS_CMD, STATUS_CMD);
+        // The restored controller finishes the command it was in.
+        bus2.write(DATA_PORT, &[0x99]);
+        assert_eq!(inb(&bus2, DATA_PORT), 0x99);
+        bus2.write(COMMAND_PORT, &[CMD_READ_CTR]);
+        assert_ne!(inb(&bus2, DATA_PORT) & CTR_KBD_DISABLE, 0);
+
+        let mut bad = s;
+        bad.pending_command = Some(CMD_SELF_TEST);
+        assert!(dev2.lock().unwrap().restore(&bad).is_err());
+        assert!(serde_json::from_str::<I8042State>("{\"ctr\": 1}").is_err());
     }
 
     #[test]
@@ -298,5 +348,10 @@ mod tests {
         drop(d);
         // Random commands may well have pulsed the reset line; fine.
         let _ = exit.reason();
+        // Whatever the guest did, the state it left restores.
+        let st = dev.lock().unwrap().state();
+        let mut other = I8042::new(Arc::new(ExitRequest::new().unwrap()));
+        other.restore(&st).unwrap();
+        assert_eq!(other.state(), st);
     }
 }

@@ -8,7 +8,10 @@
 //!
 //! Each device keeps its guest-visible state in a plain `Clone` struct
 //! reachable through `state()`/`restore()`, so snapshots and live migration
-//! can capture it without the device knowing about either.
+//! can capture it without the device knowing about either. The structs are
+//! `serde` serializable; `restore()` checks every field and refuses a state
+//! the device could never have produced with a [`StateError`], leaving the
+//! device unchanged.
 //!
 //! Standard placement on the port-I/O bus (each device's `register` puts it
 //! there):
@@ -38,9 +41,11 @@ pub mod pit;
 pub mod rtc;
 /// The guest console.
 pub mod serial;
+pub mod state;
 
 pub use bus::{Bus, BusDevice, BusError, IoDispatcher};
 pub use exit::{ExitReason, ExitRequest};
+pub use state::StateError;
 
 #[cfg(test)]
 pub(crate) mod test_util {

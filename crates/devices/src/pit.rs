@@ -31,8 +31,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::irqchip::TimerWaker;
+use crate::state::StateError;
 
 /// The PIT's input clock.
 pub const PIT_FREQ_HZ: u64 = 1_193_182;
@@ -90,7 +93,7 @@ fn to_bcd16(v: u64) -> u16 {
 }
 
 /// The guest-visible state of one counter, for snapshots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PitChannelState {
     /// Counter mode, 0-5.
     pub mode: u8,
@@ -154,7 +157,7 @@ impl Default for PitChannelState {
 }
 
 /// The guest-visible state of the PIT and port B, for snapshots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PitState {
     /// Channels 0-2.
     pub channels: [PitChannelState; 3],
@@ -177,6 +180,49 @@ impl Default for PitState {
     }
 }
 
+impl PitChannelState {
+    fn validate(&self, i: usize) -> Result<(), StateError> {
+        let err = |detail: String| Err(StateError::new("PIT", format!("channel {i}: {detail}")));
+        if self.mode > 5 || !(ACCESS_LSB..=ACCESS_WORD).contains(&self.access) {
+            return err(format!("mode {} access {}", self.mode, self.access));
+        }
+        // A count is loaded in the counting format of its control word (which clears
+        // `loaded`), so a loaded BCD count is at most 10^4.
+        let max = if self.bcd && self.loaded {
+            10_000
+        } else {
+            0x10000
+        };
+        if !(1..=max).contains(&self.count) {
+            return err(format!("count {:#x} (bcd {})", self.count, self.bcd));
+        }
+        if self.counting && !self.loaded {
+            return err("counting without a count".into());
+        }
+        // Only channel 2's gate is wired to anything (port B); 0 and 1 are tied high.
+        if i != 2 && !self.gate {
+            return err("gate low".into());
+        }
+        Ok(())
+    }
+}
+
+impl PitState {
+    /// Refuses what the 8254 model could never hold.
+    pub fn validate(&self) -> Result<(), StateError> {
+        for (i, c) in self.channels.iter().enumerate() {
+            c.validate(i)?;
+        }
+        if self.port_b & !(PORT_B_WRITABLE & !PORT_B_GATE2) != 0 {
+            return Err(StateError::new(
+                "PIT",
+                format!("port B {:#04x}", self.port_b),
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Channel {
     /// `s.elapsed` holds the ticks counted before `run_since`.
@@ -185,15 +231,10 @@ struct Channel {
 }
 
 impl Channel {
+    /// A channel resuming `s` (validated) at `now`.
     fn from_state(s: &PitChannelState, now: Instant) -> Self {
-        let mut s = *s;
-        s.mode = s.mode.min(5);
-        if !(ACCESS_LSB..=ACCESS_WORD).contains(&s.access) {
-            s.access = ACCESS_WORD;
-        }
-        s.count = s.count.clamp(1, if s.bcd { 10_000 } else { 0x10000 });
         let run_since = s.counting.then_some(now);
-        Channel { s, run_since }
+        Channel { s: *s, run_since }
     }
 
     fn state(&self, now: Instant) -> PitChannelState {
@@ -591,18 +632,21 @@ impl Pit {
         }
     }
 
-    /// Restores a state captured by [`Pit::state`]; counting resumes now.
-    pub fn restore(&mut self, state: &PitState) {
-        self.restore_at(state, Instant::now());
+    /// Restores a state captured by [`Pit::state`]; counting resumes now. A
+    /// state the 8254 could not hold is refused and the PIT left as it was.
+    pub fn restore(&mut self, state: &PitState) -> Result<(), StateError> {
+        self.restore_at(state, Instant::now())
     }
 
     /// Like [`Pit::restore`], resuming at `now`.
-    pub fn restore_at(&mut self, state: &PitState, now: Instant) {
+    pub fn restore_at(&mut self, state: &PitState, now: Instant) -> Result<(), StateError> {
+        state.validate()?;
         self.channels = state.channels.map(|c| Channel::from_state(&c, now));
-        self.port_b = state.port_b & PORT_B_WRITABLE & !PORT_B_GATE2;
+        self.port_b = state.port_b;
         self.unreported = state.unreported_irq_edges;
         self.unreported_at = (self.unreported > 0).then_some(now);
         self.wake();
+        Ok(())
     }
 
     fn wake(&self) {
@@ -822,7 +866,7 @@ mod tests {
         let st = pit.state_at(at(t, 2250));
         assert_eq!(st.unreported_irq_edges, 2);
         let mut pit2 = Pit::new_at(t);
-        pit2.restore_at(&st, t);
+        pit2.restore_at(&st, t).unwrap();
         assert_eq!(pit2.next_irq_deadline(), Some(t));
         assert_eq!(pit2.on_timer(t), 2);
         assert_eq!(pit2.missed_ticks(), 1);
@@ -1057,20 +1101,52 @@ mod tests {
 
         let t1 = t0 + Duration::from_secs(100);
         let mut pit2 = Pit::new_at(t1);
-        pit2.restore_at(&st, t1);
+        let json = serde_json::to_string(&st).unwrap();
+        let carried: PitState = serde_json::from_str(&json).unwrap();
+        pit2.restore_at(&carried, t1).unwrap();
         assert_eq!(pit2.state_at(t1), st);
         assert_eq!(pit2.next_irq_deadline(), Some(at(t1, 1193 - 100)));
         assert_eq!(read16(&mut pit2, 0, t1), 1193, "latch restored");
         assert_eq!(read16(&mut pit2, 0, at(t1, 93)), 1000);
 
-        // A nonsensical state is sanitized, not trusted.
-        let mut bad = st;
-        bad.channels[1].mode = 9;
-        bad.channels[1].access = 0;
-        bad.channels[1].count = 0;
-        pit2.restore_at(&bad, t1);
-        let s1 = pit2.state_at(t1).channels[1];
-        assert_eq!((s1.mode, s1.access, s1.count), (5, 3, 1));
+        // A nonsensical state is refused and changes nothing.
+        let before = pit2.state_at(t1);
+        let refused = |f: &dyn Fn(&mut PitState)| {
+            let mut bad = st;
+            f(&mut bad);
+            bad
+        };
+        for bad in [
+            refused(&|b| b.channels[1].mode = 6),
+            refused(&|b| b.channels[1].access = 0),
+            refused(&|b| b.channels[1].count = 0),
+            refused(&|b| b.channels[0].count = 0x10001),
+            refused(&|b| {
+                b.channels[2].bcd = true;
+                b.channels[2].loaded = true;
+                b.channels[2].count = 10_001;
+            }),
+            refused(&|b| {
+                b.channels[1].loaded = false;
+                b.channels[1].counting = true;
+            }),
+            refused(&|b| b.channels[0].gate = false),
+            refused(&|b| b.port_b = 0x01),
+            refused(&|b| b.port_b = 0x20),
+        ] {
+            assert!(pit2.restore_at(&bad, t1).is_err(), "{bad:?}");
+            assert_eq!(pit2.state_at(t1), before);
+        }
+        // Channel 2's gate may be low; a BCD count not yet loaded may exceed 10^4.
+        let mut ok = st;
+        ok.channels[2].gate = false;
+        ok.channels[1].bcd = true;
+        ok.channels[1].loaded = false;
+        ok.channels[1].counting = false;
+        ok.channels[1].count = 0x10000;
+        pit2.restore_at(&ok, t1).unwrap();
+        assert_eq!(pit2.state_at(t1), ok);
+        assert!(serde_json::from_str::<PitState>("{\"port_b\": 0}").is_err());
         let _ = format!("{pit2:?}");
     }
 
@@ -1126,5 +1202,9 @@ mod tests {
         for c in st.channels {
             assert!(c.mode <= 5 && (1..=3).contains(&c.access));
         }
+        // Whatever the guest did, the state it left restores.
+        let mut pit2 = Pit::new_at(t);
+        pit2.restore_at(&st, t).unwrap();
+        assert_eq!(pit2.state_at(t), st);
     }
 }

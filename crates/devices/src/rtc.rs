@@ -29,8 +29,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::irqchip::{IrqPin, TimerWaker};
+use crate::state::StateError;
 
 /// Index port; the data port follows.
 pub const RTC_PORT_INDEX: u64 = 0x70;
@@ -91,12 +94,18 @@ const RTC_FREQ_HZ: u64 = 32_768;
 /// UIP is set this long before each update (8 cycles of 32.768 kHz).
 const UIP_HOLD_NS: u64 = 8 * NANOS_PER_SEC / RTC_FREQ_HZ;
 
+/// The largest guest-minus-host offset a guest can set: the time registers
+/// reach the year 25755 at most (binary century and year of 255), about
+/// 2^39.6 seconds after the epoch.
+const MAX_OFFSET_SECS: i64 = 1 << 40;
+
 /// The guest-visible state, for snapshots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RtcState {
     /// Registers and RAM. While the clock runs, the time registers (0x00,
     /// 0x02, 0x04, 0x06-0x09, 0x32) here are stale: the time is
     /// `offset_secs`; while it is stopped (SET, divider reset) they hold it.
+    #[serde(with = "crate::state::byte_array")]
     pub cmos: [u8; CMOS_SIZE],
     /// Selected register.
     pub index: u8,
@@ -118,6 +127,30 @@ impl Default for RtcState {
             nmi_masked: false,
             offset_secs: 0,
         }
+    }
+}
+
+impl RtcState {
+    /// Refuses what the MC146818 model could never hold.
+    pub fn validate(&self) -> Result<(), StateError> {
+        let err = |detail: String| Err(StateError::new("RTC", detail));
+        let reg = |r: u8| self.cmos[usize::from(r)];
+        if self.index > 0x7f {
+            return err(format!("register index {:#04x}", self.index));
+        }
+        if reg(REG_A) & A_UIP != 0 {
+            return err(format!("register A {:#04x} with UIP stored", reg(REG_A)));
+        }
+        if reg(REG_C) & !(C_IRQF | C_PF | C_AF | C_UF) != 0 {
+            return err(format!("register C {:#04x}", reg(REG_C)));
+        }
+        if reg(REG_D) != D_VRT {
+            return err(format!("register D {:#04x}", reg(REG_D)));
+        }
+        if !(-MAX_OFFSET_SECS..=MAX_OFFSET_SECS).contains(&self.offset_secs) {
+            return err(format!("time offset of {} s", self.offset_secs));
+        }
+        Ok(())
     }
 }
 
@@ -353,24 +386,30 @@ impl Rtc {
 
     /// Restores a state captured by [`Rtc::state`] (on this or another
     /// host: the offset from host UTC is what travels). Interrupts are
-    /// computed from now on; IRQ 8 is driven to the restored IRQF.
-    pub fn restore(&mut self, state: &RtcState) {
+    /// computed from now on; IRQ 8 is driven to the restored IRQF. A state
+    /// the chip could not hold is refused and the RTC left as it was.
+    pub fn restore(&mut self, state: &RtcState) -> Result<(), StateError> {
         let unix = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        self.restore_with_clock(state, Instant::now(), unix);
+        self.restore_with_clock(state, Instant::now(), unix)
     }
 
     /// Like [`Rtc::restore`], with the host clock reading `unix` at `now`.
-    pub fn restore_with_clock(&mut self, state: &RtcState, now: Instant, unix: Duration) {
+    pub fn restore_with_clock(
+        &mut self,
+        state: &RtcState,
+        now: Instant,
+        unix: Duration,
+    ) -> Result<(), StateError> {
+        state.validate()?;
         self.s = *state;
-        self.s.index &= 0x7f;
-        self.s.cmos[usize::from(REG_D)] = D_VRT;
         self.base_instant = now;
         self.base_unix_ns = u64::try_from(unix.as_nanos()).unwrap_or(u64::MAX);
         self.last_ns = self.base_unix_ns;
         self.update_irq();
         self.wake();
+        Ok(())
     }
 
     fn wake(&self) {
@@ -983,13 +1022,47 @@ mod tests {
         let lines2 = Arc::new(Lines::default());
         let (t1, _, _) = setup(0, 0);
         let mut rtc2 = Rtc::with_clock(IrqPin::new(lines2.clone(), 8), t1, Duration::ZERO);
-        rtc2.restore_with_clock(&st, t1, Duration::from_secs(LEAP_EVE + 86_400));
+        let json = serde_json::to_string(&st).unwrap();
+        let carried: RtcState = serde_json::from_str(&json).unwrap();
+        assert_eq!(carried, st);
+        rtc2.restore_with_clock(&carried, t1, Duration::from_secs(LEAP_EVE + 86_400))
+            .unwrap();
         assert_eq!(lines2.take(), vec![(8, true)], "pending IRQF re-driven");
         assert_eq!(rd(&mut rtc2, REG_YEAR, t1), 0x28);
         assert_eq!(rd(&mut rtc2, REG_DAY, t1), 0x01, "a day later");
         assert_eq!(rd(&mut rtc2, REG_C, t1), C_IRQF | C_PF);
         let _ = format!("{rtc2:?}");
-        rtc2.restore(&RtcState::default());
+        rtc2.restore(&RtcState::default()).unwrap();
+    }
+
+    #[test]
+    fn restore_refuses_impossible_state() {
+        let (t0, mut rtc, _lines) = setup(LEAP_EVE, 0);
+        wr(&mut rtc, 0x40, 0x5a, t0); // CMOS RAM
+        let good = rtc.state();
+        let with = |f: &dyn Fn(&mut RtcState)| {
+            let mut s = good;
+            f(&mut s);
+            s
+        };
+        for bad in [
+            with(&|s| s.index = 0x80),
+            with(&|s| s.cmos[usize::from(REG_A)] |= A_UIP),
+            with(&|s| s.cmos[usize::from(REG_C)] = 0x01),
+            with(&|s| s.cmos[usize::from(REG_D)] = 0),
+            with(&|s| s.offset_secs = i64::MAX),
+            with(&|s| s.offset_secs = -(1 << 41)),
+        ] {
+            assert!(rtc.restore_with_clock(&bad, t0, Duration::ZERO).is_err());
+            assert_eq!(rtc.state(), good, "unchanged");
+        }
+        // The CMOS array must have exactly 128 bytes.
+        let json = serde_json::to_string(&good).unwrap();
+        let short = json.replacen("[", "[1,", 1);
+        assert!(serde_json::from_str::<RtcState>(&short).is_err());
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v["cmos"].as_array_mut().unwrap().pop();
+        assert!(serde_json::from_value::<RtcState>(v).is_err());
     }
 
     #[test]
@@ -1049,5 +1122,11 @@ mod tests {
                 assert!(l.windows(2).all(|w| w[0].1 != w[1].1));
             }
         }
+        // Whatever the guest did, the state it left restores.
+        let st = rtc.state();
+        let (t1, mut rtc2, _) = setup(LEAP_EVE, 0);
+        rtc2.restore_with_clock(&st, t1, Duration::from_secs(LEAP_EVE))
+            .unwrap();
+        assert_eq!(rtc2.state().cmos, st.cmos);
     }
 }

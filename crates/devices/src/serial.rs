@@ -12,10 +12,12 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use serde::{Deserialize, Serialize};
 use vm_superio::serial::NoEvents;
-use vm_superio::{Serial, SerialState, Trigger};
+use vm_superio::{Serial, SerialState as UartState, Trigger};
 
 use crate::bus::{Bus, BusDevice, BusError};
+use crate::state::StateError;
 
 /// First port of COM1.
 pub const COM1_BASE: u64 = 0x3f8;
@@ -83,7 +85,7 @@ pub enum SerialOutput {
     Sink,
 }
 
-/// Why a serial device could not be built or restored.
+/// Why a serial device could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum SerialError {
     /// The output file could not be created.
@@ -94,12 +96,101 @@ pub enum SerialError {
         /// The underlying error.
         source: io::Error,
     },
-    /// A saved state holds more input than the UART's FIFO can.
-    #[error("serial state has {len} bytes of pending input, more than the FIFO holds")]
-    FifoOverflow {
-        /// Bytes of input in the state.
-        len: usize,
-    },
+}
+
+/// Bytes the receive FIFO holds (vm-superio's FIFO size).
+pub const FIFO_SIZE: usize = 64;
+/// Interrupt-enable bits a 16550 has (writes to the others are dropped).
+const IER_VALID: u8 = 0x0f;
+/// The interrupt identifications the UART model produces: none pending (bit 0), and
+/// "transmitter empty" (bit 1) and/or "received data" (bit 2) pending.
+const IIR_VALID: [u8; 4] = [0x01, 0x02, 0x04, 0x06];
+
+/// The guest-visible UART registers and pending input, for snapshots: the fields of
+/// `vm_superio::SerialState` (which has no serde support), one for one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialState {
+    /// Divisor latch, low byte.
+    pub baud_divisor_low: u8,
+    /// Divisor latch, high byte.
+    pub baud_divisor_high: u8,
+    /// Interrupt enable register.
+    pub interrupt_enable: u8,
+    /// Interrupt identification register.
+    pub interrupt_identification: u8,
+    /// Line control register.
+    pub line_control: u8,
+    /// Line status register.
+    pub line_status: u8,
+    /// Modem control register.
+    pub modem_control: u8,
+    /// Modem status register.
+    pub modem_status: u8,
+    /// Scratch register.
+    pub scratch: u8,
+    /// Received bytes the guest has not read yet (at most [`FIFO_SIZE`]).
+    pub in_buffer: Vec<u8>,
+}
+
+impl Default for SerialState {
+    /// The UART after reset.
+    fn default() -> Self {
+        UartState::default().into()
+    }
+}
+
+impl From<UartState> for SerialState {
+    fn from(s: UartState) -> Self {
+        SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialState> for UartState {
+    fn from(s: &SerialState) -> Self {
+        UartState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
+
+impl SerialState {
+    /// Refuses what the UART model could never hold.
+    pub fn validate(&self) -> Result<(), StateError> {
+        let err = |detail: String| Err(StateError::new("serial", detail));
+        if self.in_buffer.len() > FIFO_SIZE {
+            return err(format!(
+                "{} bytes of pending input, more than the {FIFO_SIZE}-byte FIFO",
+                self.in_buffer.len()
+            ));
+        }
+        if self.interrupt_enable & !IER_VALID != 0 {
+            return err(format!("IER {:#04x}", self.interrupt_enable));
+        }
+        if !IIR_VALID.contains(&self.interrupt_identification) {
+            return err(format!("IIR {:#04x}", self.interrupt_identification));
+        }
+        Ok(())
+    }
 }
 
 /// The writer behind the UART. Every byte is written (and flushed) when the
@@ -202,24 +293,21 @@ impl SerialDevice {
 
     /// The guest-visible state, for snapshots.
     pub fn state(&self) -> SerialState {
-        self.uart.state()
+        self.uart.state().into()
     }
 
     /// Restores a state captured by [`SerialDevice::state`], keeping the
-    /// current output and interrupt line.
-    pub fn restore(&mut self, state: &SerialState) -> Result<(), SerialError> {
-        if state.in_buffer.len() > self.uart.fifo_capacity() + self.uart.state().in_buffer.len() {
-            return Err(SerialError::FifoOverflow {
-                len: state.in_buffer.len(),
-            });
-        }
+    /// current output and interrupt line. A state the UART could not hold is
+    /// refused and the device left as it was.
+    pub fn restore(&mut self, state: &SerialState) -> Result<(), StateError> {
+        state.validate()?;
         let irq = self.uart.interrupt_evt().0.clone();
-        self.rebuild(state, irq);
+        self.rebuild(&state.into(), irq);
         Ok(())
     }
 
     /// Recreates the `vm_superio` model from `state`, moving the sink over.
-    fn rebuild(&mut self, state: &SerialState, irq: Arc<dyn IrqLine>) {
+    fn rebuild(&mut self, state: &UartState, irq: Arc<dyn IrqLine>) {
         let placeholder = Serial::new(IrqTrigger(Arc::new(NoIrq)), Out::Discard);
         let old = std::mem::replace(&mut self.uart, placeholder);
         let sink = old.into_writer();
@@ -404,11 +492,52 @@ mod tests {
         assert_eq!(other.state(), s);
         let mut bad = s.clone();
         bad.in_buffer = vec![0; 100_000];
-        assert!(matches!(
-            other.restore(&bad),
-            Err(SerialError::FifoOverflow { .. })
-        ));
+        assert!(other.restore(&bad).is_err());
+        let mut bad = s.clone();
+        bad.in_buffer = vec![0; FIFO_SIZE + 1];
+        assert!(other.restore(&bad).is_err());
+        let mut bad = s.clone();
+        bad.interrupt_enable = 0x10;
+        assert!(other.restore(&bad).is_err());
+        let mut bad = s.clone();
+        bad.interrupt_identification = 0xc1;
+        assert!(other.restore(&bad).is_err());
         assert_eq!(other.state(), s);
+        let mut full = s.clone();
+        full.in_buffer = vec![b'f'; FIFO_SIZE];
+        other.restore(&full).unwrap();
+        assert_eq!(other.fifo_capacity(), 0);
+    }
+
+    #[test]
+    fn state_survives_serde_after_activity() {
+        let irq = Arc::new(CountIrq::default());
+        let mut dev = SerialDevice::new(&SerialOutput::Sink, irq.clone()).unwrap();
+        dev.write(3, &[0x80]); // DLAB
+        dev.write(0, &[0x01]); // 115200 baud
+        dev.write(1, &[0x00]);
+        dev.write(3, &[0x1b]); // 8E1
+        dev.write(4, &[0x0b]); // DTR, RTS, OUT2
+        dev.write(7, &[0xa5]);
+        dev.write(1, &[0x03]); // RX and THR interrupts
+        dev.enqueue_raw_bytes(b"pending");
+        let mut d = [0u8];
+        dev.read(0, &mut d); // the guest reads one byte
+        let s = dev.state();
+        assert_eq!(s.in_buffer, b"ending");
+        let json = serde_json::to_string(&s).unwrap();
+        let back: SerialState = serde_json::from_str(&json).unwrap();
+        let irq2 = Arc::new(CountIrq::default());
+        let mut other = SerialDevice::new(&SerialOutput::Sink, irq2.clone()).unwrap();
+        other.restore(&back).unwrap();
+        assert_eq!(other.state(), s);
+        assert!(
+            irq2.0.load(Ordering::SeqCst) >= 1,
+            "pending interrupt re-signalled"
+        );
+        other.read(0, &mut d);
+        assert_eq!(d[0], b'e');
+        assert!(serde_json::from_str::<SerialState>("{\"scratch\": 300}").is_err());
     }
 
     #[test]
@@ -440,5 +569,10 @@ mod tests {
         d.read(u64::MAX, &mut buf);
         d.write(u64::MAX - 3, &buf);
         d.write(6, &buf);
+        // Whatever the guest did, the state it left restores.
+        let st = d.state();
+        let mut other = SerialDevice::new(&SerialOutput::Sink, Arc::new(NoIrq)).unwrap();
+        other.restore(&st).unwrap();
+        assert_eq!(other.state(), st);
     }
 }

@@ -4,12 +4,17 @@
 //! [`Vm`] (memory, interrupt controllers, injection, dirty log, clock) and [`Vcpu`] (run,
 //! state). Backends live in their own modules (`kvm` today); nothing above this crate names
 //! a KVM or bhyve type, so a second kernel slots in behind the same traits.
+//!
+//! For snapshots and migration, [`state`] bundles a vCPU's state ([`VcpuState`]) and saves
+//! and restores it in the order the kernel needs; the VM-level pieces are the in-kernel
+//! irqchip ([`IrqChipState`]), the clock and the dirty log (see [`Vm`]).
 
 pub mod arch;
 mod error;
 mod hypervisor;
 pub mod kick;
 pub mod kvm;
+pub mod state;
 mod vcpu;
 mod vm;
 
@@ -17,5 +22,6 @@ pub use arch::*;
 pub use error::{HypervisorError, Result};
 pub use hypervisor::{open_accelerator, AccelKind, Capabilities, Hypervisor};
 pub use kick::VcpuKicker;
+pub use state::{restore_vcpu_state, save_vcpu_state, VcpuState, SNAPSHOT_MSRS};
 pub use vcpu::{Vcpu, VcpuExit};
-pub use vm::{ClockData, IrqChipMode, MemoryRegion, MsiMessage, Vm};
+pub use vm::{ClockData, IrqChipMode, IrqChipState, MemoryRegion, MsiMessage, Vm};

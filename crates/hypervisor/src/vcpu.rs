@@ -97,6 +97,8 @@ pub trait Vcpu: Send {
     fn msrs(&self, indices: &[u32]) -> Result<Vec<MsrEntry>>;
     fn set_msrs(&self, msrs: &[MsrEntry]) -> Result<()>;
     fn set_cpuid(&self, entries: &[CpuidEntry]) -> Result<()>;
+    /// The CPUID the vCPU presents (what `set_cpuid` installed; empty before that).
+    fn cpuid(&self) -> Result<Vec<CpuidEntry>>;
     fn lapic(&self) -> Result<LapicState>;
     fn set_lapic(&self, lapic: &LapicState) -> Result<()>;
     fn mp_state(&self) -> Result<MpState>;

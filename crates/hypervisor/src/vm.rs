@@ -1,3 +1,5 @@
+use serde::{Deserialize, Serialize};
+
 use crate::{Result, Vcpu};
 
 /// A range of guest physical memory backed by a host mapping.
@@ -45,6 +47,23 @@ pub struct ClockData {
     pub flags: u32,
 }
 
+/// The state of the in-kernel PIC pair, IOAPIC and PIT (`IrqChipMode::Kernel`), for
+/// snapshots and migration.
+///
+/// The blobs are the backend's own structures, opaque above this crate: they only restore
+/// on the backend named in `backend` (KVM: `kvm_pic_state` ×2, `kvm_ioapic_state` and
+/// `kvm_pit_state2`, native endianness). `Vm::set_irqchip_state` checks their sizes and the
+/// fields the kernel would otherwise take on trust, and refuses anything else.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IrqChipState {
+    /// Which backend produced the blobs (`"kvm"`).
+    pub backend: String,
+    pub pic_master: Vec<u8>,
+    pub pic_slave: Vec<u8>,
+    pub ioapic: Vec<u8>,
+    pub pit: Vec<u8>,
+}
+
 /// One virtual machine. Shared by every vCPU thread, so every method takes `&self` and
 /// none of them waits on a vCPU: injecting an interrupt is a single kernel call.
 pub trait Vm: Send + Sync {
@@ -64,8 +83,52 @@ pub trait Vm: Send + Sync {
     /// split irqchip needs them to know which vectors are level-triggered, so that their EOI
     /// comes back as `VcpuExit::IoapicEoi`. Pins not listed get no route.
     fn set_msi_routes(&self, routes: &[(u32, MsiMessage)]) -> Result<()>;
-    /// Returns and clears the dirty bitmap of a slot (one bit per 4 KiB page).
+
+    // Dirty-page tracking for pre-copy migration.
+    //
+    // Without manual protect (the classic protocol), `dirty_log` returns the pages written
+    // since the previous call and, in the same call, clears the bits and write-protects the
+    // whole slot again: every round re-protects all of guest memory at once, even the pages
+    // that will not be sent for a while.
+    //
+    // With manual protect (`enable_manual_dirty_protect` returned true):
+    //   1. `set_dirty_logging(region, true)`: with KVM_DIRTY_LOG_INITIALLY_SET every page
+    //      starts out dirty and nothing is write-protected yet (enabling is O(1), and the
+    //      first round sends everything anyway);
+    //   2. each round, `dirty_log` returns the dirty bits WITHOUT clearing them and WITHOUT
+    //      write-protecting anything: the guest keeps writing at full speed;
+    //   3. just before sending a batch of pages, `clear_dirty_log` over exactly those pages
+    //      clears their bits and write-protects them again, so a write that lands after the
+    //      clear (and so after the copy starts) is caught in the next round. Pages never
+    //      cleared stay dirty, so nothing is lost if a round is cut short.
+    // The bits `dirty_log` returns are one per 4 KiB page from the start of the slot.
+
+    /// Returns the dirty bitmap of a slot (one bit per 4 KiB page, `size` bytes of slot).
+    /// Without manual protect this also clears the bits and write-protects the slot; with
+    /// it, the bits stay set until `clear_dirty_log` (see above).
     fn dirty_log(&self, slot: u32, size: u64) -> Result<Vec<u64>>;
+    /// Turns dirty logging of a mapped region on or off (re-registers the slot with or
+    /// without KVM_MEM_LOG_DIRTY_PAGES). `region` must describe the slot exactly as it was
+    /// mapped (same guest range, size and host address); its `log_dirty` field is ignored in
+    /// favour of `enabled`.
+    fn set_dirty_logging(&self, region: &MemoryRegion, enabled: bool) -> Result<()>;
+    /// Switches the VM to the manual-protect protocol (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+    /// with KVM_DIRTY_LOG_INITIALLY_SET when the kernel offers it). Returns false, changing
+    /// nothing, when the kernel lacks it. Call before enabling dirty logging on any slot.
+    fn enable_manual_dirty_protect(&self) -> Result<bool>;
+    /// Manual protect: clears the dirty bits of pages `first_page .. first_page + num_pages`
+    /// of `slot` and write-protects them again. `first_page` must be a multiple of 64, and
+    /// so must `num_pages` unless the range ends at the end of the slot.
+    fn clear_dirty_log(&self, slot: u32, first_page: u64, num_pages: u64) -> Result<()>;
+
     fn clock(&self) -> Result<ClockData>;
     fn set_clock(&self, clock: &ClockData) -> Result<()>;
+
+    /// Kernel irqchip mode: the in-kernel PIC pair, IOAPIC and PIT. Take it with every vCPU
+    /// stopped. An error in split mode (there is nothing in the kernel to save but the
+    /// LAPICs, which travel with each vCPU).
+    fn irqchip_state(&self) -> Result<IrqChipState>;
+    /// Restores what `irqchip_state` returned (on a VM whose irqchip was created in kernel
+    /// mode, before its vCPUs run). Malformed or foreign state is refused with an error.
+    fn set_irqchip_state(&self, state: &IrqChipState) -> Result<()>;
 }

@@ -24,6 +24,10 @@
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+
+use crate::state::StateError;
+
 /// Guest-physical base of the I/O APIC's registers.
 pub const IOAPIC_BASE: u64 = 0xfec0_0000;
 /// Size of the MMIO window claimed for it.
@@ -129,8 +133,14 @@ impl fmt::Debug for MsiBatch {
     }
 }
 
+/// Redirection-entry bits the I/O APIC ever holds: the guest-writable ones,
+/// Remote IRR and delivery status.
+const REDIR_VALID: u64 = LOW_WRITABLE | REMOTE_IRR | DELIVERY_STATUS | (HIGH_WRITABLE << 32);
+/// One bit per pin.
+const PIN_MASK: u32 = (1 << NUM_PINS) - 1;
+
 /// The guest-visible state, for snapshots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IoapicState {
     /// I/O APIC ID (4 bits).
     pub id: u8,
@@ -153,6 +163,33 @@ impl Default for IoapicState {
             lines: 0,
             pending_edges: 0,
         }
+    }
+}
+
+impl IoapicState {
+    /// Refuses what the I/O APIC could never hold.
+    pub fn validate(&self) -> Result<(), StateError> {
+        let err = |detail: String| Err(StateError::new("IOAPIC", detail));
+        if self.id > 0xf {
+            return err(format!("id {:#x}", self.id));
+        }
+        if self.lines & !PIN_MASK != 0 || self.pending_edges & !PIN_MASK != 0 {
+            return err(format!(
+                "lines {:#x}, pending edges {:#x} beyond pin {}",
+                self.lines,
+                self.pending_edges,
+                NUM_PINS - 1
+            ));
+        }
+        if let Some((pin, e)) = self
+            .redirection
+            .iter()
+            .enumerate()
+            .find(|(_, e)| *e & !REDIR_VALID != 0)
+        {
+            return err(format!("redirection entry {pin} is {e:#018x}"));
+        }
+        Ok(())
     }
 }
 
@@ -279,14 +316,13 @@ impl Ioapic {
     }
 
     /// Restores a state captured by [`Ioapic::state`]. Nothing is delivered:
-    /// Remote IRR and pending edges are taken as they were.
-    pub fn restore(&mut self, state: &IoapicState) {
+    /// Remote IRR and pending edges are taken as they were. A state the I/O
+    /// APIC could not hold is refused and the I/O APIC left as it was.
+    pub fn restore(&mut self, state: &IoapicState) -> Result<(), StateError> {
+        state.validate()?;
         self.state = *state;
-        self.state.id &= 0xf;
-        let valid = (1u32 << NUM_PINS) - 1;
-        self.state.lines &= valid;
-        self.state.pending_edges &= valid;
         self.logged = 0;
+        Ok(())
     }
 
     fn read_register(&self, reg: u8) -> u32 {
@@ -673,17 +709,42 @@ mod tests {
         program(&mut io, 9, 0x59 | LEVEL, 1);
         set(&mut io, 9, true);
         let st = io.state();
+        let json = serde_json::to_string(&st).unwrap();
+        let carried: IoapicState = serde_json::from_str(&json).unwrap();
         let mut io2 = Ioapic::new();
-        io2.restore(&st);
+        io2.restore(&carried).unwrap();
         assert_eq!(io2.state(), st);
         assert!(set(&mut io2, 9, true).is_empty(), "Remote IRR restored");
         assert_eq!(eoi(&mut io2, 0x59).len(), 1);
-        let mut bad = st;
-        bad.id = 0xff;
-        bad.lines = u32::MAX;
-        io2.restore(&bad);
-        assert_eq!(io2.state().id, 0xf);
-        assert_eq!(io2.state().lines, 0x00ff_ffff);
+        let good = io2.state();
+        for bad in [
+            IoapicState { id: 0x10, ..good },
+            IoapicState {
+                lines: 1 << 24,
+                ..good
+            },
+            IoapicState {
+                pending_edges: u32::MAX,
+                ..good
+            },
+            {
+                let mut b = good;
+                b.redirection[3] |= 1 << 40; // reserved high bits
+                b
+            },
+            {
+                let mut b = good;
+                b.redirection[23] |= 1 << 17; // reserved low bits
+                b
+            },
+        ] {
+            assert!(io2.restore(&bad).is_err(), "{bad:?}");
+            assert_eq!(io2.state(), good, "unchanged");
+        }
+        assert!(serde_json::from_str::<IoapicState>(
+            &json.replace("\"redirection\":[", "\"redirection\":[1,")
+        )
+        .is_err());
         let _ = format!("{:?}", MsiBatch::new());
     }
 
@@ -717,5 +778,10 @@ mod tests {
                 assert_eq!(m.address & 0xfff0_0000, 0xfee0_0000);
             }
         }
+        // Whatever the guest did, the state it left restores.
+        let st = io.state();
+        let mut io2 = Ioapic::new();
+        io2.restore(&st).unwrap();
+        assert_eq!(io2.state(), st);
     }
 }

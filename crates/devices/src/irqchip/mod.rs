@@ -55,8 +55,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use ioapic::{Ioapic, IoapicState, Msi, MsiBatch, IOAPIC_BASE, IOAPIC_SIZE, NUM_PINS};
 pub use pic::{Pic, PicChipState, PicState, ELCR_BASE, MASTER_BASE, PIC_PORTS, SLAVE_BASE};
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::serial::{IrqLine, NoIrq};
+use crate::state::StateError;
 
 /// Number of ISA IRQ lines (0-15).
 pub const ISA_IRQS: u32 = 16;
@@ -189,7 +192,7 @@ fn ioapic_pin(gsi: u32) -> Option<usize> {
 }
 
 /// Saved state of a [`SplitIrqChip`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct SplitIrqChipState {
     /// The 8259 pair.
     pub pic: PicState,
@@ -300,11 +303,16 @@ impl SplitIrqChip {
     /// Restores a state captured by [`SplitIrqChip::state`]: republishes the
     /// I/O APIC routes and signals the ExtINT if the PIC requests one.
     /// Nothing else is delivered (in-service and Remote IRR state is kept).
-    pub fn restore(&self, state: &SplitIrqChipState) {
+    /// Both halves are checked first: if either is refused, neither
+    /// controller changes.
+    pub fn restore(&self, state: &SplitIrqChipState) -> Result<(), StateError> {
+        state.pic.validate()?;
+        state.ioapic.validate()?;
         self.pic_output.store(false, Ordering::Release);
-        self.with_pic(|p| p.restore(&state.pic));
-        lock(&self.ioapic).restore(&state.ioapic);
+        self.with_pic(|p| p.restore(&state.pic))?;
+        lock(&self.ioapic).restore(&state.ioapic)?;
         self.publish_routes();
+        Ok(())
     }
 
     /// Runs `f` on the PIC, then signals the ExtINT if INTR rose.
@@ -762,9 +770,11 @@ mod tests {
         m.chip.pulse_irq(7);
         let st = m.chip.state();
 
+        let json = serde_json::to_string(&st).unwrap();
+        let carried: SplitIrqChipState = serde_json::from_str(&json).unwrap();
         let m2 = Machine::new();
         m2.rec.kicks();
-        m2.chip.restore(&st);
+        m2.chip.restore(&carried).unwrap();
         assert_eq!(m2.chip.state(), st);
         assert_eq!(m2.rec.kicks(), 1, "PIC requests: BSP kicked");
         let ev = m2.rec.take();
@@ -778,6 +788,17 @@ mod tests {
         m2.chip.eoi(0x4a);
         assert_eq!(m2.rec.msis(), vec![(0xfee0_0000, 0xc04a)]);
         let _ = format!("{:?}", m2.chip);
+
+        // A bad half is refused before either controller changes.
+        let before = m2.chip.state();
+        let mut bad = st;
+        bad.ioapic.id = 0x20;
+        assert!(m2.chip.restore(&bad).is_err());
+        let mut bad = st;
+        bad.pic.chips[1].init_state = 7;
+        assert!(m2.chip.restore(&bad).is_err());
+        assert_eq!(m2.chip.state(), before);
+        assert!(m2.rec.take().is_empty(), "nothing published or sent");
     }
 
     #[test]
@@ -854,5 +875,10 @@ mod tests {
             // Bounded: nothing accumulates between drains.
             assert!(m.rec.take().len() <= 2 * NUM_PINS + 1);
         }
+        // Whatever the guest did, the state it left restores.
+        let st = m.chip.state();
+        let m2 = Machine::new();
+        m2.chip.restore(&st).unwrap();
+        assert_eq!(m2.chip.state(), st);
     }
 }

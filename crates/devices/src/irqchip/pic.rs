@@ -25,6 +25,10 @@ pub const MASTER_BASE: u64 = 0x20;
 pub const SLAVE_BASE: u64 = 0xa0;
 /// Edge/level control registers (0x4d0 for IRQ 0-7, 0x4d1 for IRQ 8-15).
 pub const ELCR_BASE: u64 = 0x4d0;
+use serde::{Deserialize, Serialize};
+
+use crate::state::StateError;
+
 /// Each PIC and the ELCR pair decode two ports.
 pub const PIC_PORTS: u64 = 2;
 /// The master input the slave is cascaded on.
@@ -35,7 +39,7 @@ pub const CASCADE_IRQ: u8 = 2;
 const ELCR_MASK: [u8; 2] = [0xf8, 0xde];
 
 /// The guest-visible state of one 8259A.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct PicChipState {
     /// Current level of each input line.
     pub lines: u8,
@@ -189,10 +193,29 @@ impl PicChipState {
 
 /// The guest-visible state of the pair, for snapshots. The default is the
 /// power-on state: uninitialized, everything unmasked (as after ICW1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct PicState {
     /// The master (index 0) and the slave (index 1).
     pub chips: [PicChipState; 2],
+}
+
+impl PicState {
+    /// Refuses what the 8259A pair could never hold.
+    pub fn validate(&self) -> Result<(), StateError> {
+        for ((c, mask), name) in self.chips.iter().zip(ELCR_MASK).zip(["master", "slave"]) {
+            if c.elcr & !mask != 0 || c.priority_add > 7 || c.init_state > 3 || c.irq_base & 7 != 0
+            {
+                return Err(StateError::new(
+                    "PIC",
+                    format!(
+                        "{name}: ELCR {:#04x}, priority {}, init state {}, vector base {:#04x}",
+                        c.elcr, c.priority_add, c.init_state, c.irq_base
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The master/slave 8259A pair.
@@ -338,15 +361,13 @@ impl Pic {
         self.state
     }
 
-    /// Restores a state captured by [`Pic::state`].
-    pub fn restore(&mut self, state: &PicState) {
+    /// Restores a state captured by [`Pic::state`]. A state the pair could
+    /// not hold is refused and the PIC left as it was.
+    pub fn restore(&mut self, state: &PicState) -> Result<(), StateError> {
+        state.validate()?;
         self.state = *state;
-        for (c, mask) in self.state.chips.iter_mut().zip(ELCR_MASK) {
-            c.elcr &= mask;
-            c.priority_add &= 7;
-            c.init_state = c.init_state.min(3);
-        }
         self.update();
+        Ok(())
     }
 
     /// Poll command: an INTA on one chip, returning `0x80 | level` or 0.
@@ -684,7 +705,7 @@ mod tests {
         let mut st = p.state();
         st.chips[0].irr = 0x04;
         st.chips[0].special_fully_nested = true;
-        p.restore(&st);
+        p.restore(&st).unwrap();
         // update() recomputes the cascade input, so nothing is pending.
         assert_eq!(p.acknowledge(), None);
         // Forcing it (as a stale snapshot could, bypassing update):
@@ -704,12 +725,75 @@ mod tests {
         p.write_port(7, 0, 0x11);
         assert_eq!(p.read_elcr(5), 0xff);
         p.write_elcr(5, 0xff);
-        let mut st = p.state();
-        st.chips[0].priority_add = 200;
-        st.chips[0].init_state = 9;
-        p.restore(&st);
+        let good = p.state();
+        for bad in [
+            PicState {
+                chips: [
+                    PicChipState {
+                        priority_add: 200,
+                        ..good.chips[0]
+                    },
+                    good.chips[1],
+                ],
+            },
+            PicState {
+                chips: [
+                    PicChipState {
+                        init_state: 9,
+                        ..good.chips[0]
+                    },
+                    good.chips[1],
+                ],
+            },
+            PicState {
+                chips: [
+                    good.chips[0],
+                    PicChipState {
+                        irq_base: 0x71,
+                        ..good.chips[1]
+                    },
+                ],
+            },
+            PicState {
+                chips: [
+                    good.chips[0],
+                    PicChipState {
+                        elcr: 0x01, // IRQ 8 is edge only
+                        ..good.chips[1]
+                    },
+                ],
+            },
+        ] {
+            assert!(p.restore(&bad).is_err(), "{bad:?}");
+            assert_eq!(p.state(), good, "unchanged");
+        }
         pulse(&mut p, 5);
         assert_eq!(p.acknowledge(), Some(0x25));
+    }
+
+    #[test]
+    fn state_survives_serde_after_activity() {
+        let mut p = pic();
+        p.write_elcr(1, 0x0c); // IRQ 10 and 11 level
+        p.set_irq(10, true);
+        pulse(&mut p, 3);
+        p.write_port(0, 1, 0x01); // mask IRQ 0
+        p.write_port(1, 0, 0x0b); // slave: read ISR
+        assert_eq!(p.acknowledge(), Some(0x2a), "IRQ 10 in service");
+        let st = p.state();
+        let json = serde_json::to_string(&st).unwrap();
+        let back: PicState = serde_json::from_str(&json).unwrap();
+        let mut p2 = Pic::new();
+        p2.restore(&back).unwrap();
+        assert_eq!(p2.state(), st);
+        // The restored pair carries on: IRQ 3 waits behind IRQ 10 (cascade on IR2).
+        assert_eq!(p2.acknowledge(), None);
+        assert_eq!(p2.read_port(1, 0), 0x04, "ISR read back");
+        p2.write_port(1, 0, 0x20);
+        p2.write_port(0, 0, 0x20);
+        // Level IRQ 10 is still asserted and comes back first.
+        assert_eq!(p2.acknowledge(), Some(0x2a));
+        assert!(serde_json::from_str::<PicState>("{\"chips\": []}").is_err());
     }
 
     #[test]
@@ -742,5 +826,10 @@ mod tests {
                 assert!(c.priority_add < 8 && c.init_state < 4);
             }
         }
+        // Whatever the guest did, the state it left restores.
+        let st = p.state();
+        let mut p2 = Pic::new();
+        p2.restore(&st).unwrap();
+        assert_eq!(p2.state(), st);
     }
 }

@@ -1,14 +1,16 @@
 //! The Linux KVM backend (kvm-ioctls / kvm-bindings).
 
 mod convert;
+mod irqchip;
 
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_bindings::{
     kvm_clock_data, kvm_cpuid_entry2, kvm_enable_cap, kvm_irq_routing_entry, kvm_irq_routing_msi,
-    kvm_msi, kvm_msr_entry, kvm_pit_config, kvm_run, kvm_userspace_memory_region, kvm_xcr,
-    kvm_xcrs, kvm_xsave, CpuId, KvmIrqRouting, Msrs, KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
+    kvm_irqchip, kvm_msi, kvm_msr_entry, kvm_pit_config, kvm_run, kvm_userspace_memory_region,
+    kvm_xcr, kvm_xcrs, kvm_xsave, CpuId, KvmIrqRouting, Msrs, KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
     KVM_INTERNAL_ERROR_EMULATION, KVM_IRQ_ROUTING_MSI, KVM_MAX_CPUID_ENTRIES,
     KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY, KVM_SYSTEM_EVENT_RESET,
     KVM_SYSTEM_EVENT_SHUTDOWN,
@@ -22,8 +24,9 @@ use kvm_ioctls::{Cap, Kvm, VcpuExit as KvmExit, VcpuFd, VmFd};
 use crate::kick;
 use crate::{
     AccelKind, Capabilities, ClockData, CpuidEntry, FpuState, Hypervisor, HypervisorError,
-    IrqChipMode, LapicState, MemoryRegion, MpState, MsiMessage, MsrEntry, Result, SpecialRegisters,
-    StandardRegisters, Vcpu, VcpuEvents, VcpuExit, VcpuKicker, Vm, Xcr, XsaveState,
+    IrqChipMode, IrqChipState, LapicState, MemoryRegion, MpState, MsiMessage, MsrEntry, Result,
+    SpecialRegisters, StandardRegisters, Vcpu, VcpuEvents, VcpuExit, VcpuKicker, Vm, Xcr,
+    XsaveState, LAPIC_REGS_SIZE,
 };
 use convert::*;
 
@@ -36,6 +39,34 @@ vmm_sys_util::ioctl_iow_nr!(
     0x86,
     kvm_bindings::kvm_interrupt
 );
+
+/// `struct kvm_clear_dirty_log` (x86-64), which kvm-bindings does not carry for x86.
+#[repr(C)]
+struct KvmClearDirtyLog {
+    slot: u32,
+    num_pages: u32,
+    first_page: u64,
+    /// One bit per page from `first_page`, `num_pages` rounded up to 64 bits.
+    dirty_bitmap: *mut u64,
+}
+const _: () = assert!(std::mem::size_of::<KvmClearDirtyLog>() == 24);
+
+// KVM_CLEAR_DIRTY_LOG is missing from kvm-ioctls: `_IOWR(KVMIO, 0xc0, struct
+// kvm_clear_dirty_log)`.
+vmm_sys_util::ioctl_iowr_nr!(
+    KVM_CLEAR_DIRTY_LOG,
+    kvm_bindings::KVMIO,
+    0xc0,
+    KvmClearDirtyLog
+);
+
+/// KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 flags (`KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`,
+/// `KVM_DIRTY_LOG_INITIALLY_SET`), absent from kvm-bindings for x86.
+const DIRTY_LOG_MANUAL_PROTECT_ENABLE: u64 = 1 << 0;
+const DIRTY_LOG_INITIALLY_SET: u64 = 1 << 1;
+/// The dirty log has one bit per 4 KiB page on x86.
+const DIRTY_PAGE_SIZE: u64 = 4096;
+
 /// Addresses KVM needs on Intel for real-mode emulation; inside the 32-bit MMIO hole, far
 /// from anything ferrovm maps.
 const TSS_ADDRESS: usize = 0xfffb_d000;
@@ -138,7 +169,10 @@ impl Hypervisor for KvmHypervisor {
         if let Err(e) = fd.set_identity_map_address(IDENTITY_MAP_ADDRESS) {
             log::debug!("KVM_SET_IDENTITY_MAP_ADDR not taken: {e}");
         }
-        Ok(Arc::new(KvmVm { fd }))
+        Ok(Arc::new(KvmVm {
+            fd,
+            slots: Mutex::new(HashMap::new()),
+        }))
     }
 
     fn supported_cpuid(&self) -> Result<Vec<CpuidEntry>> {
@@ -146,19 +180,7 @@ impl Hypervisor for KvmHypervisor {
             .kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(ioctl_err("KVM_GET_SUPPORTED_CPUID"))?;
-        Ok(cpuid
-            .as_slice()
-            .iter()
-            .map(|e| CpuidEntry {
-                function: e.function,
-                index: e.index,
-                significant_index: e.flags & KVM_CPUID_FLAG_SIGNIFCANT_INDEX != 0,
-                eax: e.eax,
-                ebx: e.ebx,
-                ecx: e.ecx,
-                edx: e.edx,
-            })
-            .collect())
+        Ok(cpuid_from_kvm(&cpuid))
     }
 
     fn msr_index_list(&self) -> Result<Vec<u32>> {
@@ -172,9 +194,46 @@ impl Hypervisor for KvmHypervisor {
 
 pub struct KvmVm {
     fd: VmFd,
+    /// The memory slots as registered, so a slot is only ever re-registered with the host
+    /// mapping the caller vouched for in `map_memory`.
+    slots: Mutex<HashMap<u32, kvm_userspace_memory_region>>,
 }
 
 impl KvmVm {
+    fn slots(&self) -> MutexGuard<'_, HashMap<u32, kvm_userspace_memory_region>> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The registered slot `region` describes, refused if it describes it differently.
+    fn registered_slot(
+        slots: &HashMap<u32, kvm_userspace_memory_region>,
+        region: &MemoryRegion,
+    ) -> Result<kvm_userspace_memory_region> {
+        match slots.get(&region.slot) {
+            Some(r)
+                if r.guest_phys_addr == region.guest_addr
+                    && r.memory_size == region.size
+                    && r.userspace_addr == region.host_addr =>
+            {
+                Ok(*r)
+            }
+            Some(r) => Err(HypervisorError::Invalid(format!(
+                "memory slot {} is mapped at {:#x}+{:#x} from host {:#x}, not {:#x}+{:#x} from {:#x}",
+                region.slot,
+                r.guest_phys_addr,
+                r.memory_size,
+                r.userspace_addr,
+                region.guest_addr,
+                region.size,
+                region.host_addr
+            ))),
+            None => Err(HypervisorError::Invalid(format!(
+                "memory slot {} is not mapped",
+                region.slot
+            ))),
+        }
+    }
+
     /// The PC wiring of the in-kernel controllers, as ferrovm's MADT and MP table declare it:
     /// ISA IRQ n reaches PIC input n and IOAPIC pin n, except IRQ 0 (the PIT), which the
     /// IOAPIC sees on pin 2. KVM's default table sends IRQ 0 to pin 0.
@@ -231,9 +290,16 @@ impl Vm for KvmVm {
             memory_size: region.size,
             userspace_addr: region.host_addr,
         };
+        let mut slots = self.slots();
         // SAFETY: the caller guarantees the host range stays mapped for the VM's lifetime.
         unsafe { self.fd.set_user_memory_region(kvm_region) }
-            .map_err(ioctl_err("KVM_SET_USER_MEMORY_REGION"))
+            .map_err(ioctl_err("KVM_SET_USER_MEMORY_REGION"))?;
+        if region.size == 0 {
+            slots.remove(&region.slot);
+        } else {
+            slots.insert(region.slot, kvm_region);
+        }
+        Ok(())
     }
 
     fn create_irqchip(&self, mode: IrqChipMode) -> Result<()> {
@@ -330,6 +396,128 @@ impl Vm for KvmVm {
             .map_err(ioctl_err("KVM_GET_DIRTY_LOG"))
     }
 
+    fn set_dirty_logging(&self, region: &MemoryRegion, enabled: bool) -> Result<()> {
+        // Held across the check and the ioctl, so the slot cannot change in between.
+        let mut slots = self.slots();
+        let mut slot = Self::registered_slot(&slots, region)?;
+        if enabled {
+            slot.flags |= KVM_MEM_LOG_DIRTY_PAGES;
+        } else {
+            slot.flags &= !KVM_MEM_LOG_DIRTY_PAGES;
+        }
+        // SAFETY: the slot is re-registered with the guest range and host mapping it was
+        // mapped with (checked above), which the `map_memory` caller vouched for; only the
+        // flags change.
+        unsafe { self.fd.set_user_memory_region(slot) }
+            .map_err(ioctl_err("KVM_SET_USER_MEMORY_REGION (dirty logging)"))?;
+        slots.insert(slot.slot, slot);
+        Ok(())
+    }
+
+    fn enable_manual_dirty_protect(&self) -> Result<bool> {
+        let offered = self
+            .fd
+            .check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into());
+        let offered = u64::try_from(offered).unwrap_or(0);
+        if offered & DIRTY_LOG_MANUAL_PROTECT_ENABLE == 0 {
+            return Ok(false);
+        }
+        let mut cap = kvm_enable_cap {
+            cap: kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+            ..Default::default()
+        };
+        cap.args[0] = offered & (DIRTY_LOG_MANUAL_PROTECT_ENABLE | DIRTY_LOG_INITIALLY_SET);
+        self.fd.enable_cap(&cap).map_err(ioctl_err(
+            "KVM_ENABLE_CAP(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)",
+        ))?;
+        Ok(true)
+    }
+
+    fn clear_dirty_log(&self, slot: u32, first_page: u64, num_pages: u64) -> Result<()> {
+        if num_pages == 0 {
+            return Ok(());
+        }
+        let slot_pages = self
+            .slots()
+            .get(&slot)
+            .map(|r| r.memory_size.div_ceil(DIRTY_PAGE_SIZE))
+            .ok_or_else(|| HypervisorError::Invalid(format!("memory slot {slot} is not mapped")))?;
+        let end = first_page.checked_add(num_pages);
+        let fits = end.is_some_and(|end| end <= slot_pages);
+        let aligned = first_page.is_multiple_of(64)
+            && (num_pages.is_multiple_of(64) || end == Some(slot_pages));
+        let count = u32::try_from(num_pages).ok();
+        let (true, true, Some(count)) = (fits, aligned, count) else {
+            return Err(HypervisorError::Invalid(format!(
+                "cannot clear pages {first_page}+{num_pages} of the dirty log of slot {slot} \
+                 ({slot_pages} pages; the start must be a multiple of 64 pages, and so must \
+                 the count unless the range ends the slot)"
+            )));
+        };
+        // Every page of the range: the kernel only re-protects those whose bit it had set.
+        let words = usize::try_from(num_pages.div_ceil(64))
+            .map_err(|_| HypervisorError::Invalid(format!("{num_pages} pages")))?;
+        let mut bitmap = vec![u64::MAX; words];
+        let tail = num_pages % 64;
+        if tail != 0 {
+            if let Some(last) = bitmap.last_mut() {
+                *last = (1u64 << tail) - 1;
+            }
+        }
+        let arg = KvmClearDirtyLog {
+            slot,
+            num_pages: count,
+            first_page,
+            dirty_bitmap: bitmap.as_mut_ptr(),
+        };
+        // SAFETY: the kernel reads `arg` and `num_pages` rounded up to 64 bits from
+        // `bitmap`, which holds exactly that many and outlives the call; the fd is a VM's.
+        let rc =
+            unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_CLEAR_DIRTY_LOG(), &arg) };
+        if rc < 0 {
+            return Err(HypervisorError::ioctl(
+                "KVM_CLEAR_DIRTY_LOG",
+                vmm_sys_util::errno::Error::last(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn irqchip_state(&self) -> Result<IrqChipState> {
+        let get = |chip_id| {
+            let mut chip = kvm_irqchip {
+                chip_id,
+                ..Default::default()
+            };
+            self.fd
+                .get_irqchip(&mut chip)
+                .map_err(ioctl_err("KVM_GET_IRQCHIP"))?;
+            Ok::<_, HypervisorError>(chip)
+        };
+        let master = get(KVM_IRQCHIP_PIC_MASTER)?;
+        let slave = get(KVM_IRQCHIP_PIC_SLAVE)?;
+        let ioapic = get(KVM_IRQCHIP_IOAPIC)?;
+        let pit = self.fd.get_pit2().map_err(ioctl_err("KVM_GET_PIT2"))?;
+        Ok(IrqChipState {
+            backend: irqchip::BACKEND.into(),
+            pic_master: irqchip::pic_blob(&master),
+            pic_slave: irqchip::pic_blob(&slave),
+            ioapic: irqchip::ioapic_blob(&ioapic),
+            pit: irqchip::pit_blob(&pit),
+        })
+    }
+
+    fn set_irqchip_state(&self, state: &IrqChipState) -> Result<()> {
+        // Everything is checked before anything is written.
+        let k = irqchip::to_kernel(state)?;
+        for chip in &k.chips {
+            self.fd
+                .set_irqchip(chip)
+                .map_err(ioctl_err("KVM_SET_IRQCHIP"))?;
+        }
+        self.fd.set_pit2(&k.pit).map_err(ioctl_err("KVM_SET_PIT2"))
+    }
+
     fn clock(&self) -> Result<ClockData> {
         let c = self.fd.get_clock().map_err(ioctl_err("KVM_GET_CLOCK"))?;
         Ok(ClockData {
@@ -398,6 +586,22 @@ unsafe fn internal_error_detail(run: *const kvm_run) -> String {
             &internal.data[..n]
         )
     }
+}
+
+fn cpuid_from_kvm(cpuid: &CpuId) -> Vec<CpuidEntry> {
+    cpuid
+        .as_slice()
+        .iter()
+        .map(|e| CpuidEntry {
+            function: e.function,
+            index: e.index,
+            significant_index: e.flags & KVM_CPUID_FLAG_SIGNIFCANT_INDEX != 0,
+            eax: e.eax,
+            ebx: e.ebx,
+            ecx: e.ecx,
+            edx: e.edx,
+        })
+        .collect()
 }
 
 fn msr_entries(msrs: &[MsrEntry]) -> Result<Msrs> {
@@ -553,6 +757,13 @@ impl Vcpu for KvmVcpu {
 
     fn set_xsave(&self, xsave: &XsaveState) -> Result<()> {
         let mut x = kvm_xsave::default();
+        if xsave.region.len() > x.region.len() {
+            return Err(HypervisorError::Invalid(format!(
+                "XSAVE area of {} bytes (KVM takes at most {})",
+                xsave.region.len() * 4,
+                x.region.len() * 4
+            )));
+        }
         for (dst, src) in x.region.iter_mut().zip(&xsave.region) {
             *dst = *src;
         }
@@ -659,12 +870,26 @@ impl Vcpu for KvmVcpu {
             .map_err(ioctl_err("KVM_SET_CPUID2"))
     }
 
+    fn cpuid(&self) -> Result<Vec<CpuidEntry>> {
+        let cpuid = self
+            .fd
+            .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+            .map_err(ioctl_err("KVM_GET_CPUID2"))?;
+        Ok(cpuid_from_kvm(&cpuid))
+    }
+
     fn lapic(&self) -> Result<LapicState> {
         let l = self.fd.get_lapic().map_err(ioctl_err("KVM_GET_LAPIC"))?;
         Ok(lapic_from_kvm(&l))
     }
 
     fn set_lapic(&self, lapic: &LapicState) -> Result<()> {
+        if lapic.regs.len() > LAPIC_REGS_SIZE {
+            return Err(HypervisorError::Invalid(format!(
+                "LAPIC page of {} bytes",
+                lapic.regs.len()
+            )));
+        }
         self.fd
             .set_lapic(&lapic_to_kvm(lapic))
             .map_err(ioctl_err("KVM_SET_LAPIC"))
