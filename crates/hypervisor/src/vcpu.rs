@@ -76,6 +76,9 @@ pub trait Vcpu: Send {
     /// Called on the thread that will run this vCPU: returns the handle other threads use to
     /// make `run` return promptly, even if the request races with entry into the guest.
     fn bind_kicker(&mut self) -> Result<VcpuKicker>;
+    /// Completes the instruction of the last exit (an IN, MMIO read, ...) without running
+    /// guest code, so that the vCPU's state is consistent before it is saved.
+    fn finish_pending_exit(&mut self) -> Result<()>;
 
     /// External interrupts from a user-space 8259 (split irqchip): whether the vCPU can take
     /// one now, asking the kernel to exit as soon as it can, and handing one over.

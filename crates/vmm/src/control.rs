@@ -8,13 +8,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use hypervisor::VcpuKicker;
+use std::sync::Arc;
+
+use hypervisor::{save_vcpu_state, Vcpu, VcpuKicker, VcpuState};
 
 use crate::error::{Error, Result};
 
 #[derive(Default)]
 struct Parked {
     count: usize,
+    /// Set while a pause wants every vCPU's state: the MSRs to read.
+    capture: Option<Arc<Vec<u32>>>,
+    /// Captured states by vCPU id (or why capturing failed).
+    states: Vec<Option<std::result::Result<VcpuState, String>>>,
 }
 
 #[derive(Default)]
@@ -45,8 +51,21 @@ impl RunControl {
 
     /// Called by a vCPU thread when it sees the pause flag: waits, outside the guest, until
     /// the pause ends or the machine stops.
-    pub fn park(&self, stop: &AtomicBool) {
+    pub fn park(&self, stop: &AtomicBool, vcpu: &mut dyn Vcpu) {
         let mut parked = lock(&self.parked);
+        if let Some(msrs) = parked.capture.clone() {
+            drop(parked);
+            let state = vcpu
+                .finish_pending_exit()
+                .and_then(|_| save_vcpu_state(vcpu, &msrs))
+                .map_err(|e| e.to_string());
+            parked = lock(&self.parked);
+            let id = vcpu.id() as usize;
+            if parked.states.len() <= id {
+                parked.states.resize(id + 1, None);
+            }
+            parked.states[id] = Some(state);
+        }
         parked.count += 1;
         self.cond.notify_all();
         while self.pause_requested() && !stop.load(Ordering::Acquire) {
@@ -58,6 +77,39 @@ impl RunControl {
         }
         parked.count -= 1;
         self.cond.notify_all();
+    }
+
+    /// Pauses and returns every vCPU's state, saved by its own thread.
+    pub fn pause_and_capture(&self, msrs: Vec<u32>, timeout: Duration) -> Result<Vec<VcpuState>> {
+        {
+            let mut parked = lock(&self.parked);
+            if parked.count > 0 {
+                return Err(Error::Control("the VM is already paused".into()));
+            }
+            parked.capture = Some(Arc::new(msrs));
+            parked.states.clear();
+        }
+        let paused = self.pause(timeout);
+        let mut parked = lock(&self.parked);
+        parked.capture = None;
+        let states = std::mem::take(&mut parked.states);
+        drop(parked);
+        paused?;
+        let mut out = Vec::with_capacity(states.len());
+        for (id, state) in states.into_iter().enumerate() {
+            match state {
+                Some(Ok(s)) => out.push(s),
+                Some(Err(e)) => {
+                    self.resume();
+                    return Err(Error::Control(format!("saving vCPU {id}: {e}")));
+                }
+                None => {
+                    self.resume();
+                    return Err(Error::Control(format!("vCPU {id} saved no state")));
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Stops every vCPU outside the guest; returns once all are parked.

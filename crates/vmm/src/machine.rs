@@ -24,6 +24,7 @@ use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
+use crate::state::DeviceHandles;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 
@@ -162,7 +163,7 @@ impl Machine {
 
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
-        let (pio, mmio, timers) =
+        let (pio, mmio, timers, device_handles) =
             build_buses(config, &exit, &irqchip, split.as_ref(), &timer_wake)?;
         let context = Arc::new(VcpuContext {
             pio: Arc::new(IoDispatcher::new("pio", Arc::new(pio))),
@@ -299,7 +300,7 @@ fn build_buses(
     irqchip: &Arc<dyn IrqChip>,
     split: Option<&Arc<SplitIrqChip>>,
     timer_wake: &Arc<TimerWake>,
-) -> Result<(Bus, Bus, TimerDevices)> {
+) -> Result<(Bus, Bus, TimerDevices, DeviceHandles)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
@@ -326,29 +327,38 @@ fn build_buses(
         value: format!("{:?}", config.serial),
         reason: e.to_string(),
     })?;
-    serial.register_com1(&mut pio).map_err(devices_err)?;
+    let serial = serial.register_com1(&mut pio).map_err(devices_err)?;
     DebugExit::new(exit.clone())
         .register(&mut pio)
         .map_err(devices_err)?;
-    I8042::new(exit.clone())
+    let i8042 = I8042::new(exit.clone())
         .register(&mut pio)
         .map_err(devices_err)?;
     let mut fw_cfg = FwCfg::new(config.cpus as u16, config.memory);
     fw_cfg
         .add_file("etc/ferrovm/cmdline", config.cmdline.as_bytes().to_vec())
         .map_err(|e| Error::Devices(e.to_string()))?;
-    fw_cfg.register(&mut pio).map_err(devices_err)?;
-    AcpiPm::new(exit.clone())
+    let fw_cfg = fw_cfg.register(&mut pio).map_err(devices_err)?;
+    let acpi_pm = AcpiPm::new(exit.clone())
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
+    let handles = DeviceHandles {
+        serial,
+        i8042,
+        fw_cfg,
+        acpi_pm,
+        rtc: rtc.clone(),
+        pit: pit.clone(),
+        split: split.cloned(),
+    };
     let timers = TimerDevices {
         pit,
         rtc,
         irqchip: irqchip.clone(),
         wake: timer_wake.clone(),
     };
-    Ok((pio, mmio, timers))
+    Ok((pio, mmio, timers, handles))
 }
 
 /// Register state for a 32-bit flat protected-mode entry with paging off, which every boot

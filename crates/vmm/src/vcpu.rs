@@ -93,7 +93,7 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
             return Ok(());
         }
         if ctx.control.pause_requested() {
-            ctx.control.park(&ctx.stop);
+            ctx.control.park(&ctx.stop, vcpu);
             continue;
         }
         if id == 0 {

@@ -677,6 +677,22 @@ impl Vcpu for KvmVcpu {
         })
     }
 
+    fn finish_pending_exit(&mut self) -> Result<()> {
+        let run = self.run;
+        // SAFETY: `run` is valid for the life of `fd`. With immediate_exit set, KVM_RUN
+        // completes a pending user-space I/O or MMIO access and returns EINTR before
+        // entering the guest.
+        unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(1) };
+        let result = self.fd.run().map(|_| ());
+        // SAFETY: as above.
+        unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(0) };
+        match result {
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Ok(()),
+            Err(e) => Err(HypervisorError::ioctl("KVM_RUN (completing an exit)", e)),
+            Ok(()) => Ok(()),
+        }
+    }
+
     fn bind_kicker(&mut self) -> Result<VcpuKicker> {
         // SAFETY: the byte lives in the kvm_run page owned by `fd`; Drop unbinds it before
         // the page goes away, and the vCPU is run on this thread from now on.

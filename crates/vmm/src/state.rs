@@ -1,0 +1,128 @@
+//! The machine's state apart from RAM: what a snapshot or a migration carries in its `State`
+//! frame. Serialised as JSON, versioned through the stream format.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use devices::acpi_pm::{AcpiPm, AcpiPmState};
+use devices::fw_cfg::{FwCfg, FwCfgState};
+use devices::i8042::{I8042State, I8042};
+use devices::irqchip::{SplitIrqChip, SplitIrqChipState};
+use devices::pit::{Pit, PitState};
+use devices::rtc::{Rtc, RtcState};
+use devices::serial::{SerialDevice, SerialState};
+use hypervisor::{ClockData, IrqChipState, VcpuState, Vm};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Handles on the devices whose state travels with the machine.
+#[derive(Clone)]
+pub struct DeviceHandles {
+    pub serial: Arc<Mutex<SerialDevice>>,
+    pub i8042: Arc<Mutex<I8042>>,
+    pub fw_cfg: Arc<Mutex<FwCfg>>,
+    pub acpi_pm: Arc<Mutex<AcpiPm>>,
+    pub rtc: Arc<Mutex<Rtc>>,
+    /// Split irqchip mode only.
+    pub pit: Option<Arc<Mutex<Pit>>>,
+    pub split: Option<Arc<SplitIrqChip>>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DevicesState {
+    pub serial: SerialState,
+    pub i8042: I8042State,
+    pub fw_cfg: FwCfgState,
+    pub acpi_pm: AcpiPmState,
+    pub rtc: RtcState,
+    pub pit: Option<PitState>,
+    pub split_irqchip: Option<SplitIrqChipState>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MachineState {
+    pub vcpus: Vec<VcpuState>,
+    /// Kernel irqchip mode: the in-kernel PIC, IOAPIC and PIT.
+    pub kernel_irqchip: Option<IrqChipState>,
+    pub clock: ClockData,
+    pub devices: DevicesState,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn restore_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::State(format!("{what}: {e}"))
+}
+
+impl DeviceHandles {
+    pub fn save(&self) -> DevicesState {
+        DevicesState {
+            serial: lock(&self.serial).state(),
+            i8042: lock(&self.i8042).state(),
+            fw_cfg: lock(&self.fw_cfg).state(),
+            acpi_pm: lock(&self.acpi_pm).state(),
+            rtc: lock(&self.rtc).state(),
+            pit: self.pit.as_ref().map(|p| lock(p).state()),
+            split_irqchip: self.split.as_ref().map(|s| s.state()),
+        }
+    }
+
+    pub fn restore(&self, state: &DevicesState) -> Result<()> {
+        lock(&self.serial)
+            .restore(&state.serial)
+            .map_err(|e| restore_err("serial", e))?;
+        lock(&self.i8042)
+            .restore(&state.i8042)
+            .map_err(|e| restore_err("i8042", e))?;
+        lock(&self.fw_cfg)
+            .restore(&state.fw_cfg)
+            .map_err(|e| restore_err("fw_cfg", e))?;
+        lock(&self.acpi_pm)
+            .restore(&state.acpi_pm)
+            .map_err(|e| restore_err("ACPI PM", e))?;
+        lock(&self.rtc)
+            .restore(&state.rtc)
+            .map_err(|e| restore_err("RTC", e))?;
+        match (&self.pit, &state.pit) {
+            (Some(pit), Some(s)) => lock(pit).restore(s).map_err(|e| restore_err("PIT", e))?,
+            (None, None) => {}
+            _ => {
+                return Err(Error::State(
+                    "the PIT belongs to another irqchip mode".into(),
+                ))
+            }
+        }
+        match (&self.split, &state.split_irqchip) {
+            (Some(chip), Some(s)) => chip.restore(s).map_err(|e| restore_err("irqchip", e))?,
+            (None, None) => {}
+            _ => {
+                return Err(Error::State(
+                    "the state is from another irqchip mode".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+impl MachineState {
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec(self).map_err(|e| Error::State(e.to_string()))
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        serde_json::from_slice(bytes).map_err(|e| Error::State(format!("malformed state: {e}")))
+    }
+
+    /// Restores everything but the vCPUs (which are restored on creation) and RAM.
+    pub fn restore_platform(&self, vm: &dyn Vm, devices: &DeviceHandles) -> Result<()> {
+        if let Some(chip) = &self.kernel_irqchip {
+            vm.set_irqchip_state(chip)?;
+        }
+        devices.restore(&self.devices)?;
+        vm.set_clock(&self.clock)?;
+        Ok(())
+    }
+}
