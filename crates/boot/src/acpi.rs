@@ -12,7 +12,7 @@
 //! | MADT | next 64-byte boundary | local APICs, IOAPIC, overrides, LINT1 NMI |
 //!
 //! The machine they describe: one local APIC per vCPU (APIC ID = vCPU index) at
-//! [`LAPIC_START`], one IOAPIC with ID [`ioapic_id`]`(cpus)` at [`IOAPIC_START`] routing GSIs
+//! [`LAPIC_START`], one IOAPIC with ID [`IOAPIC_ID`] at [`IOAPIC_START`] routing GSIs
 //! 0-23, ISA IRQ 0 on GSI 2, the SCI on IRQ/GSI 9 (level, active high), and the ACPI PM
 //! registers of `devices::acpi_pm` at I/O ports 0x600-0x60b (the fixed-feature power button,
 //! no GPE block, no SMI command port: the machine is always in ACPI mode). Reset goes through
@@ -33,7 +33,7 @@ use acpi_tables::{aml, Aml};
 use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryError};
 
 use crate::layout::{
-    ioapic_id, range_in_ram, ACPI_SIZE, ACPI_START, IOAPIC_START, LAPIC_START, MAX_CPUS, RSDP_ADDR,
+    range_in_ram, ACPI_SIZE, ACPI_START, IOAPIC_ID, IOAPIC_START, LAPIC_START, MAX_CPUS, RSDP_ADDR,
 };
 
 /// OEM ID in every table header and the RSDP.
@@ -154,11 +154,7 @@ fn madt(cpus: u32) -> Vec<u8> {
             EnabledStatus::Enabled,
         )));
     }
-    madt.append_slice(&bytes_of(&IoApic::new(
-        ioapic_id(cpus),
-        IOAPIC_START as u32,
-        0,
-    )));
+    madt.append_slice(&bytes_of(&IoApic::new(IOAPIC_ID, IOAPIC_START as u32, 0)));
     let overrides = [
         (0u8, 2u32, MPS_EDGE | MPS_ACTIVE_HIGH),
         (SCI_IRQ, u32::from(SCI_IRQ), MPS_LEVEL | MPS_ACTIVE_HIGH),
@@ -462,7 +458,7 @@ mod tests {
             assert_eq!(ioapics.len(), 1);
             let io = &ioapics[0].1;
             assert_eq!(io.len(), 12);
-            assert_eq!(io[2], ioapic_id(cpus));
+            assert_eq!(io[2], IOAPIC_ID);
             assert!(
                 u32::from(io[2]) >= cpus,
                 "IOAPIC ID collides with a LAPIC ID"

@@ -82,16 +82,15 @@ pub const MPTABLE_START: u64 = ACPI_START + ACPI_SIZE;
 /// Size of the MP table area.
 pub const MPTABLE_SIZE: u64 = HIMEM_START - MPTABLE_START;
 
-/// Most vCPUs the firmware tables describe: xAPIC IDs are 8 bits, 0xff is the broadcast ID
-/// and the IOAPIC takes the ID after the last vCPU's (the MP table has the same limit).
+/// Most vCPUs the firmware tables describe: xAPIC IDs are 8 bits and 0xff is the broadcast
+/// ID (the MP table has the same limit).
 pub const MAX_CPUS: u32 = 254;
 
-/// APIC ID of the IOAPIC in the MADT and the MP table: the first ID after the vCPUs'
-/// local APIC IDs `0..cpus`, so the two never collide. `cpus` must be at most [`MAX_CPUS`].
-pub fn ioapic_id(cpus: u32) -> u8 {
-    debug_assert!(cpus <= MAX_CPUS);
-    cpus.min(MAX_CPUS) as u8
-}
+/// APIC ID of the IOAPIC in the MADT and the MP table. Its ID register has only 4 bits, so
+/// it cannot follow the vCPUs' IDs on larger machines; since the system-bus APICs, IOAPIC and
+/// local APIC IDs are separate name spaces, and 0 is what both the in-kernel and ferrovm's
+/// IOAPIC report after reset (QEMU declares the same).
+pub const IOAPIC_ID: u8 = 0;
 
 /// Smallest guest memory the loaders accept: the boot area below 1 MiB plus 1 MiB.
 pub const MIN_MEM_SIZE: u64 = 2 * HIMEM_START;
@@ -408,8 +407,7 @@ mod tests {
                     .any(|e| e.kind == E820Kind::Ram && e.addr < start + size && start < e.end()));
             }
         }
-        assert_eq!(ioapic_id(1), 1);
-        assert_eq!(ioapic_id(MAX_CPUS), 254);
+        assert_eq!(IOAPIC_ID, 0);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //!   configuration, virtual-wire mode);
 //! - 0xf0010: configuration table (`PCMP`), its entries in the order the spec requires:
 //!   one processor per vCPU (local APIC ID = index, enabled, BSP = 0), bus 0 `ISA   `, the
-//!   IOAPIC (ID [`ioapic_id`]`(cpus)`, at [`IOAPIC_START`]), I/O interrupt assignments of ISA
+//!   IOAPIC (ID [`IOAPIC_ID`], at [`IOAPIC_START`]), I/O interrupt assignments of ISA
 //!   IRQs 0-15 (IRQ 0 on pin 2, IRQ 2 absent, the others on their own pin; IRQ 9, the ACPI
 //!   SCI, level-triggered active high as in the MADT, the rest conforming to ISA), and local
 //!   interrupts ExtINT on LINT0 and NMI on LINT1 of every local APIC.
@@ -17,7 +17,7 @@
 
 use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryError};
 
-use crate::layout::{ioapic_id, IOAPIC_START, LAPIC_START, MAX_CPUS, MPTABLE_SIZE, MPTABLE_START};
+use crate::layout::{IOAPIC_ID, IOAPIC_START, LAPIC_START, MAX_CPUS, MPTABLE_SIZE, MPTABLE_START};
 
 /// Address of the floating pointer structure.
 pub const MPF_ADDR: u64 = MPTABLE_START;
@@ -89,7 +89,7 @@ fn checksum(bytes: &[u8]) -> u8 {
 
 /// The configuration table (header and base entries) for `cpus` processors.
 fn config_table(cpus: u32) -> Vec<u8> {
-    let ioapic = ioapic_id(cpus);
+    let ioapic = IOAPIC_ID;
     let mut entries: Vec<u8> = Vec::new();
     let mut count: u16 = 0;
     let mut push = |e: &[u8]| {
@@ -294,7 +294,7 @@ mod tests {
             let ioapics: Vec<_> = of(ENTRY_IOAPIC).collect();
             assert_eq!(ioapics.len(), 1);
             let io = ioapics[0];
-            assert_eq!(io[1], ioapic_id(cpus));
+            assert_eq!(io[1], IOAPIC_ID);
             assert!(u32::from(io[1]) >= cpus && io[1] != 0xff);
             assert_eq!(io[3], 1, "enabled");
             assert_eq!(u32_at(io, 4), 0xfec0_0000);

@@ -20,7 +20,7 @@
 //! ```
 //!
 //! The rate is limited: periodic interrupts (modes 2 and 3) come at most
-//! every [`MIN_IRQ_PERIOD`] (100 µs, 10 kHz; KVM's in-kernel PIT has the
+//! every [`MIN_IRQ_PERIOD`] (200 µs, 5 kHz, as KVM's in-kernel PIT has the
 //! same kind of floor, its `min_timer_period_us`), whatever the count; the
 //! counter and the channel output as read by the guest keep the programmed
 //! rate. Missed periods are not queued: [`Pit::on_timer`] reports how many
@@ -48,11 +48,11 @@ pub const PORT_B: u64 = 0x61;
 /// The ISA IRQ channel 0 drives.
 pub const PIT_IRQ: u32 = 0;
 /// Shortest interval between two IRQ 0 edges.
-pub const MIN_IRQ_PERIOD: Duration = Duration::from_micros(100);
+pub const MIN_IRQ_PERIOD: Duration = Duration::from_micros(200);
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
-/// [`MIN_IRQ_PERIOD`] in PIT ticks, rounded up (120 ticks, 100.57 µs).
-const MIN_PERIOD_TICKS: u64 = (100_000 * PIT_FREQ_HZ).div_ceil(NANOS_PER_SEC);
+/// [`MIN_IRQ_PERIOD`] in PIT ticks, rounded up (239 ticks, 200.3 µs).
+const MIN_PERIOD_TICKS: u64 = (200_000 * PIT_FREQ_HZ).div_ceil(NANOS_PER_SEC);
 /// Device offset of port B (the device sees 0x40-0x43 as 0-3).
 const PORT_B_OFFSET: u64 = PORT_B - PIT_BASE;
 const COMMAND_OFFSET: u64 = 3;
@@ -784,7 +784,7 @@ mod tests {
             }
         }
         let _ = ticks_to_duration(u64::MAX);
-        assert_eq!(MIN_PERIOD_TICKS, 120);
+        assert_eq!(MIN_PERIOD_TICKS, 239);
         assert_eq!(from_bcd16(0x1234), 1234);
         assert_eq!(to_bcd16(9876), 0x9876);
     }

@@ -1,5 +1,41 @@
-//! Snapshot/restore and live migration: a versioned, framed, checksummed stream of guest
-//! memory and device/vCPU state, dirty-page tracking and the pre-copy engine.
+//! Snapshot/restore and live migration for ferrovm: a versioned, framed, checksummed stream
+//! of guest memory and device/vCPU state, touched-page discovery, and the pre-copy engine.
 //!
-//! Not implemented yet: `ferrovm run --restore`, `--incoming` and `ctl snapshot|migrate`
-//! are refused with "not supported yet" until this crate lands.
+//! The crate is generic: the VMM plugs in guest RAM ([`GuestRam`], implemented for
+//! `vm_memory::GuestMemoryMmap`), the dirty log ([`DirtySource`]) and control of the VM
+//! ([`VmControl`]); the device/vCPU state is an opaque blob. The stream format is described
+//! byte by byte in `docs/migration.md`.
+//!
+//! - source: [`migrate`] (live, with a reply channel) or [`snapshot`] (to a file);
+//! - destination: [`receive`] (then restore, resume, and `ack`) or [`restore_from`].
+
+mod bitmap;
+mod config;
+mod error;
+mod pages;
+mod precopy;
+mod ram;
+mod receive;
+mod resident;
+mod sink;
+mod stream;
+
+pub use bitmap::{words_for, Bitmap};
+pub use config::{ConfigCheck, MigrationConfig};
+pub use error::{Error, Result};
+pub use pages::is_zero;
+pub use precopy::{
+    migrate, snapshot, DirtySource, MigrationParams, MigrationReport, Phase, Progress, RoundStats,
+    SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
+};
+pub use ram::{GuestRam, RamRange, RamRegion, PAGE_SIZE};
+pub use receive::{
+    receive, restore_from, AckSender, IncomingReport, IncomingResult, IncomingRound, Restored,
+};
+pub use resident::{touched_pages, Residency, ResidencyMethod};
+pub use stream::{
+    encode_frame, page_crc, pages_frame_len, send_reply, wait_ack, EndInfo, Frame, Header, Kind,
+    PagesHeader, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE, FORMAT_VERSION,
+    FRAME_HEADER_LEN, FRAME_TRAILER_LEN, HEADER_LEN, MAGIC, MAX_FRAME_PAYLOAD, MAX_PAGES_PER_FRAME,
+    MAX_STATE_TOTAL, PAGES_FIXED_LEN, ZERO_PAGES_FRAME_LEN,
+};

@@ -1,0 +1,339 @@
+//! Guest pages on the wire, without copies of the data.
+//!
+//! Sending: each page is inspected through a 4 KiB L1-resident scratch copy (zero check and
+//! CRC-32), then queued **by reference**: the I/O vector handed to `writev` points into the
+//! guest mapping, so the kernel copies the page straight from guest memory into the socket or
+//! file. Only frame headers, CRC tables and trailers live in a small arena.
+//!
+//! Receiving: page data is read straight into the destination's guest mapping; `ZeroPages`
+//! zero only pages that may hold data.
+
+use std::io::{Read, Write};
+
+use vm_memory::VolatileSlice;
+
+use crate::bitmap::Bitmap;
+use crate::error::{Error, Result};
+use crate::ram::{Layout, PAGE_SIZE, PAGE_USIZE};
+use crate::stream::{
+    page_crc, pages_frame_len, pages_head, Frame, PagesHeader, StreamReader, StreamWriter,
+    MAX_PAGES_PER_FRAME, ZERO_PAGES_FRAME_LEN,
+};
+
+/// Largest run of pages one `ZeroPages` frame carries (4 GiB).
+const MAX_ZERO_RUN: u32 = 1 << 20;
+
+/// True if every byte of `data` is zero. Exits at the first non-zero 256-byte block; the
+/// inner OR-reduction vectorizes.
+pub fn is_zero(data: &[u8]) -> bool {
+    let mut blocks = data.chunks_exact(256);
+    let full = blocks
+        .by_ref()
+        .all(|b| b.iter().fold(0u8, |acc, &x| acc | x) == 0);
+    full && blocks.remainder().iter().all(|&x| x == 0)
+}
+
+#[repr(C, align(64))]
+struct PageBuf([u8; PAGE_USIZE]);
+
+/// Reads a guest page through a scratch copy: `None` if it is all zero, else its CRC.
+fn inspect(ptr: *mut u8, buf: &mut PageBuf) -> Option<u32> {
+    // SAFETY: callers pass a page inside a region of a validated `Layout`, which the
+    // `GuestRam` contract keeps mapped and readable while the RAM is borrowed. Guest memory
+    // may change under us (a running vCPU), which is why it is read as a volatile slice.
+    let page = unsafe { VolatileSlice::new(ptr, PAGE_USIZE) };
+    page.copy_to(&mut buf.0[..]);
+    if is_zero(&buf.0) {
+        None
+    } else {
+        Some(page_crc(&buf.0))
+    }
+}
+
+/// What a round of pages put on the wire.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Sent {
+    /// Pages sent with data.
+    pub pages: u64,
+    /// Pages sent as zero markers.
+    pub zero_pages: u64,
+    /// Bytes of Pages and ZeroPages frames.
+    pub bytes: u64,
+}
+
+/// Sends every page set in `set` as `Pages` / `ZeroPages` frames, page data by reference to
+/// the guest mapping. `live`: the guest runs (frames are flagged so torn pages are
+/// tolerated). `tick` is called now and then with the number of pages done so far. All
+/// queued data is flushed before returning, so no reference into guest memory outlives the
+/// call.
+pub(crate) fn send_pages<W: Write>(
+    w: &mut StreamWriter<W>,
+    layout: &Layout,
+    set: &Bitmap,
+    live: bool,
+    tick: &mut dyn FnMut(u64, &Sent),
+) -> Result<Sent> {
+    let res = send_pages_inner(w, layout, set, live, tick);
+    // Whatever happened, no guest reference may stay queued past this point.
+    match res {
+        Ok(sent) => {
+            w.batch.flush_to(&mut w.out)?;
+            Ok(sent)
+        }
+        Err(e) => {
+            w.batch.clear();
+            Err(e)
+        }
+    }
+}
+
+struct Group {
+    zero: bool,
+    region: usize,
+    first: u64,
+    count: u32,
+    crcs: Vec<u32>,
+}
+
+fn send_pages_inner<W: Write>(
+    w: &mut StreamWriter<W>,
+    layout: &Layout,
+    set: &Bitmap,
+    live: bool,
+    tick: &mut dyn FnMut(u64, &Sent),
+) -> Result<Sent> {
+    let mut sent = Sent::default();
+    let mut buf = PageBuf([0; PAGE_USIZE]);
+    let mut done = 0u64;
+    let mut g = Group {
+        zero: false,
+        region: 0,
+        first: 0,
+        count: 0,
+        crcs: Vec::with_capacity(MAX_PAGES_PER_FRAME as usize),
+    };
+    for (ri, r) in layout.regions.iter().enumerate() {
+        let npages = r.size / PAGE_SIZE;
+        for (start, count) in set.runs(ri, u64::MAX) {
+            let end = (start + count).min(npages);
+            for p in start..end {
+                let crc = inspect(layout.host_page(ri, p), &mut buf);
+                let zero = crc.is_none();
+                let full = if g.zero {
+                    g.count >= MAX_ZERO_RUN
+                } else {
+                    g.count >= MAX_PAGES_PER_FRAME
+                };
+                if g.count > 0
+                    && (g.zero != zero
+                        || g.region != ri
+                        || g.first + u64::from(g.count) != p
+                        || full)
+                {
+                    emit(w, layout, &mut g, live, &mut sent)?;
+                }
+                if g.count == 0 {
+                    g.zero = zero;
+                    g.region = ri;
+                    g.first = p;
+                }
+                g.count += 1;
+                if let Some(c) = crc {
+                    g.crcs.push(c);
+                }
+                done += 1;
+                if done.is_multiple_of(4096) {
+                    tick(done, &sent);
+                }
+            }
+            // Runs are maximal, so the group cannot continue past a gap.
+            emit(w, layout, &mut g, live, &mut sent)?;
+        }
+    }
+    tick(done, &sent);
+    Ok(sent)
+}
+
+fn emit<W: Write>(
+    w: &mut StreamWriter<W>,
+    layout: &Layout,
+    g: &mut Group,
+    live: bool,
+    sent: &mut Sent,
+) -> Result<()> {
+    if g.count == 0 {
+        return Ok(());
+    }
+    let addr = layout.regions[g.region].guest_addr + g.first * PAGE_SIZE;
+    if g.zero {
+        w.write_frame(&Frame::ZeroPages {
+            addr,
+            count: g.count,
+        })?;
+        sent.zero_pages += u64::from(g.count);
+        sent.bytes += ZERO_PAGES_FRAME_LEN;
+    } else {
+        let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
+        let ptr = layout.host_page(g.region, g.first);
+        // SAFETY: the pages lie inside one region of the validated layout (a live mapping
+        // while the RAM is borrowed, per the `GuestRam` contract), and `send_pages` flushes or
+        // clears the batch before it returns, while that borrow is still held.
+        unsafe { w.batch.push_guest(ptr, g.count as usize * PAGE_USIZE) };
+        w.batch.push_bytes(&trailer);
+        sent.pages += u64::from(g.count);
+        sent.bytes += pages_frame_len(u64::from(g.count));
+        w.maybe_flush()?;
+    }
+    g.count = 0;
+    g.crcs.clear();
+    Ok(())
+}
+
+/// The receiving side: applies page frames to guest memory and keeps track of pages that
+/// arrived torn during live rounds.
+pub(crate) struct PageApplier {
+    layout: Layout,
+    /// Pages that may hold non-zero data (written by this stream, or resident before it).
+    maybe_nonzero: Bitmap,
+    /// Pages whose last copy failed its CRC in a live round and must be sent again.
+    torn: Bitmap,
+    torn_count: u64,
+    pub torn_recovered: u64,
+}
+
+impl PageApplier {
+    /// `maybe_nonzero`: pages of the destination that may already hold data.
+    pub fn new(layout: Layout, maybe_nonzero: Bitmap) -> Result<Self> {
+        if let Some((i, r)) = layout.regions.iter().enumerate().find(|(_, r)| !r.writable) {
+            return Err(Error::Layout(format!(
+                "region {i} at {:#x} is mapped read-only: cannot receive guest memory into it",
+                r.guest_addr
+            )));
+        }
+        let counts = layout.page_counts();
+        Ok(PageApplier {
+            torn: Bitmap::new(&counts),
+            maybe_nonzero,
+            layout,
+            torn_count: 0,
+            torn_recovered: 0,
+        })
+    }
+
+    fn locate(&self, addr: u64, count: u32) -> Result<(usize, u64)> {
+        self.layout
+            .locate(addr, u64::from(count))
+            .map_err(|reason| Error::BadPageRange {
+                addr,
+                end: addr.saturating_add(u64::from(count) * PAGE_SIZE),
+                count: u64::from(count),
+                offset: 0,
+                reason,
+            })
+    }
+
+    fn set_torn(&mut self, ri: usize, p: u64, torn: bool) {
+        let was = self.torn.get(ri, p);
+        if torn && !was {
+            self.torn.set(ri, p);
+            self.torn_count += 1;
+        } else if !torn && was {
+            self.torn.clear(ri, p);
+            self.torn_count -= 1;
+            self.torn_recovered += 1;
+        }
+    }
+
+    /// Reads the data of the `Pages` frame `h` straight into guest memory.
+    pub fn apply_pages<R: Read>(
+        &mut self,
+        reader: &mut StreamReader<R>,
+        h: &PagesHeader,
+    ) -> Result<()> {
+        let (ri, first) = self.locate(h.addr, h.count)?;
+        let ptr = self.layout.host_page(ri, first);
+        // SAFETY: `locate` checked that the pages lie inside region `ri`, a live, writable
+        // mapping (GuestRam contract, checked `writable`). The destination guest does not run
+        // while it receives (contract of `receive`/`restore_from`), so nothing else accesses
+        // these bytes while the slice exists; it is dropped before this function returns.
+        let dst = unsafe { std::slice::from_raw_parts_mut(ptr, h.count as usize * PAGE_USIZE) };
+        let bad = reader.read_page_data(dst)?;
+        let mut bad = bad.into_iter().peekable();
+        for i in 0..u64::from(h.count) {
+            self.maybe_nonzero.set(ri, first + i);
+            let torn = bad.next_if(|&b| u64::from(b) == i).is_some();
+            self.set_torn(ri, first + i, torn);
+        }
+        Ok(())
+    }
+
+    /// Zeroes the pages of a `ZeroPages` frame that may hold data.
+    pub fn apply_zero(&mut self, addr: u64, count: u32) -> Result<()> {
+        let (ri, first) = self.locate(addr, count)?;
+        for p in first..first + u64::from(count) {
+            if self.maybe_nonzero.get(ri, p) {
+                let ptr = self.layout.host_page(ri, p);
+                // SAFETY: the page is inside a live, writable region (checked by `locate`),
+                // and the destination guest is not running.
+                unsafe { std::ptr::write_bytes(ptr, 0, PAGE_USIZE) };
+                self.maybe_nonzero.clear(ri, p);
+            }
+            self.set_torn(ri, p, false);
+        }
+        Ok(())
+    }
+
+    /// Zeroes every page that may hold data (destination memory that was touched before the
+    /// stream began).
+    pub fn zero_all_maybe_nonzero(&mut self) {
+        for ri in 0..self.layout.regions.len() {
+            let runs: Vec<(u64, u64)> = self.maybe_nonzero.runs(ri, u64::MAX).collect();
+            for (p, n) in runs {
+                let n = n.min(self.layout.regions[ri].size / PAGE_SIZE - p);
+                let ptr = self.layout.host_page(ri, p);
+                // SAFETY: the run lies inside region `ri` (bitmap bits past the region are
+                // cleared by `Bitmap::new`/`conform`; `n` is clamped), a live writable
+                // mapping, and the destination guest is not running.
+                unsafe { std::ptr::write_bytes(ptr, 0, n as usize * PAGE_USIZE) };
+            }
+        }
+        self.maybe_nonzero = Bitmap::new(&self.layout.page_counts());
+    }
+
+    /// Fails if a page torn in a live round was never sent again.
+    pub fn check_complete(&self) -> Result<()> {
+        if self.torn_count == 0 {
+            return Ok(());
+        }
+        let first_addr = (0..self.layout.regions.len())
+            .find_map(|ri| {
+                self.torn
+                    .runs(ri, 1)
+                    .next()
+                    .map(|(p, _)| self.layout.regions[ri].guest_addr + p * PAGE_SIZE)
+            })
+            .unwrap_or(0);
+        Err(Error::TornPages {
+            count: self.torn_count,
+            first_addr,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_detection() {
+        let mut page = vec![0u8; 4096];
+        assert!(is_zero(&page));
+        for i in [0, 1, 255, 256, 2047, 4095] {
+            page[i] = 1;
+            assert!(!is_zero(&page), "byte {i}");
+            page[i] = 0;
+        }
+        assert!(is_zero(&[0u8; 10]));
+        assert!(!is_zero(&[0, 0, 3]));
+    }
+}

@@ -1,0 +1,935 @@
+//! The migration stream: a header, then checksummed frames. The byte layout is documented in
+//! `docs/migration.md`; in short:
+//!
+//! ```text
+//! header  "FERROVM\0" | version u32 | flags u32 | crc32 u32                (20 bytes, LE)
+//! frame   kind u8 | flags u8 | reserved [u8;2] | length u32 | payload | crc32 u32
+//! ```
+//!
+//! The frame CRC covers the 8 header bytes and the payload, except for `Pages` frames whose
+//! page data (the last `count * 4096` payload bytes) is covered by a per-page CRC table in the
+//! payload instead, so that a page torn by a running guest costs that one page, not the frame.
+
+use std::io::{self, Read, Write};
+
+use serde::Serialize;
+
+use crate::config::MigrationConfig;
+use crate::error::{Error, Result};
+use crate::ram::{locate_in, RamRange, PAGE_SIZE, PAGE_USIZE};
+use crate::sink::{Batch, Out};
+
+/// The first 8 bytes of every stream.
+pub const MAGIC: [u8; 8] = *b"FERROVM\0";
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Length of the stream header.
+pub const HEADER_LEN: usize = 20;
+/// Length of a frame header (kind, flags, reserved, length).
+pub const FRAME_HEADER_LEN: usize = 8;
+/// Length of a frame trailer (CRC-32).
+pub const FRAME_TRAILER_LEN: usize = 4;
+/// Largest payload of any frame. Longer frames are refused before anything is allocated.
+pub const MAX_FRAME_PAYLOAD: u32 = 8 << 20;
+/// Pages per `Pages` frame written by this build (readers accept up to what fits in
+/// [`MAX_FRAME_PAYLOAD`]).
+pub const MAX_PAGES_PER_FRAME: u32 = 1024;
+/// Fixed part of a `Pages` / `ZeroPages` payload: address u64, count u32, reserved u32.
+pub const PAGES_FIXED_LEN: usize = 16;
+/// `Pages` frame flag: sent while the guest was running; a page whose CRC does not match may
+/// have been torn by a guest write and must be sent again later in the stream.
+pub const FLAG_LIVE: u8 = 1;
+/// Largest total device/vCPU state accepted (the sum of all `State` frames).
+pub const MAX_STATE_TOTAL: usize = 256 << 20;
+
+const MAX_CONFIG_LEN: u32 = 1 << 20;
+const MAX_ERROR_LEN: u32 = 64 << 10;
+const ROUND_END_LEN: u32 = 48;
+const END_LEN: u32 = 24;
+
+/// Frame kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Config = 1,
+    Pages = 2,
+    ZeroPages = 3,
+    RoundEnd = 4,
+    State = 5,
+    End = 6,
+    Error = 7,
+    /// Reply: the destination accepted the `Config` frame.
+    Ready = 8,
+    /// Reply: the destination is running the guest.
+    Ack = 9,
+    /// Reply: the destination has applied a live round (payload: round number u32).
+    RoundAck = 10,
+}
+
+impl Kind {
+    pub fn from_u8(v: u8) -> Option<Kind> {
+        Some(match v {
+            1 => Kind::Config,
+            2 => Kind::Pages,
+            3 => Kind::ZeroPages,
+            4 => Kind::RoundEnd,
+            5 => Kind::State,
+            6 => Kind::End,
+            7 => Kind::Error,
+            8 => Kind::Ready,
+            9 => Kind::Ack,
+            10 => Kind::RoundAck,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Config => "Config",
+            Kind::Pages => "Pages",
+            Kind::ZeroPages => "ZeroPages",
+            Kind::RoundEnd => "RoundEnd",
+            Kind::State => "State",
+            Kind::End => "End",
+            Kind::Error => "Error",
+            Kind::Ready => "Ready",
+            Kind::Ack => "Ack",
+            Kind::RoundAck => "RoundAck",
+        }
+    }
+
+    fn max_len(self) -> u32 {
+        match self {
+            Kind::Config => MAX_CONFIG_LEN,
+            Kind::Pages | Kind::State => MAX_FRAME_PAYLOAD,
+            Kind::ZeroPages => PAGES_FIXED_LEN as u32,
+            Kind::RoundEnd => ROUND_END_LEN,
+            Kind::End => END_LEN,
+            Kind::Error => MAX_ERROR_LEN,
+            Kind::Ready | Kind::Ack => 0,
+            Kind::RoundAck => 4,
+        }
+    }
+
+    /// Fixed payload length, for kinds that have one.
+    fn fixed_len(self) -> Option<u32> {
+        match self {
+            Kind::ZeroPages => Some(PAGES_FIXED_LEN as u32),
+            Kind::RoundEnd => Some(ROUND_END_LEN),
+            Kind::End => Some(END_LEN),
+            Kind::Ready | Kind::Ack => Some(0),
+            Kind::RoundAck => Some(4),
+            _ => None,
+        }
+    }
+
+    fn is_reply(self) -> bool {
+        matches!(self, Kind::Ready | Kind::Ack | Kind::RoundAck | Kind::Error)
+    }
+
+    fn is_stream(self) -> bool {
+        !matches!(self, Kind::Ready | Kind::Ack | Kind::RoundAck)
+    }
+}
+
+/// The stream header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub version: u32,
+    pub flags: u32,
+}
+
+/// The fixed part of a `Pages` frame. Its data is read with [`StreamReader::read_page_data`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagesHeader {
+    /// Guest address of the first page.
+    pub addr: u64,
+    /// Number of pages.
+    pub count: u32,
+    /// Sent while the guest ran (see [`FLAG_LIVE`]).
+    pub live: bool,
+}
+
+/// End of a round of pages, with the sender's statistics of that round.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RoundEndInfo {
+    /// Round number: 0, 1, 2... consecutive.
+    pub round: u32,
+    /// The final (stop-and-copy) round: the guest was paused.
+    pub final_round: bool,
+    /// Pages sent with data in this round.
+    pub pages: u64,
+    /// Pages sent as `ZeroPages` in this round.
+    pub zero_pages: u64,
+    /// Bytes of the `Pages` and `ZeroPages` frames of this round.
+    pub bytes: u64,
+    /// Dirty (or, for round 0, touched) pages this round set out to send.
+    pub dirty_pages_found: u64,
+    /// Sender's duration of the round in microseconds.
+    pub duration_us: u64,
+}
+
+/// The sender's totals, in the `End` frame.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct EndInfo {
+    /// Number of rounds (RoundEnd frames) sent.
+    pub rounds: u32,
+    /// Pages sent with data, over all rounds.
+    pub total_pages: u64,
+    /// Pages sent as `ZeroPages`, over all rounds.
+    pub total_zero_pages: u64,
+}
+
+/// A decoded, validated frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    Config(MigrationConfig),
+    /// A run of pages; the data follows and must be read with
+    /// [`StreamReader::read_page_data`] (or is skipped by the next `next_frame`).
+    Pages(PagesHeader),
+    /// A run of pages that are all zero.
+    ZeroPages {
+        addr: u64,
+        count: u32,
+    },
+    RoundEnd(RoundEndInfo),
+    /// A piece of the opaque device/vCPU state; consecutive pieces concatenate.
+    State(Vec<u8>),
+    End(EndInfo),
+    /// A message from the peer, which gave up.
+    Error(String),
+    /// Reply channel: configuration accepted.
+    Ready,
+    /// Reply channel: the destination runs the guest.
+    Ack,
+    /// Reply channel: the destination has applied live round `n` (the source waits for it
+    /// before the next round, so rounds are measured end to end and nothing is still in
+    /// flight when the guest is paused).
+    RoundAck(u32),
+}
+
+fn crc(parts: &[&[u8]]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for p in parts {
+        h.update(p);
+    }
+    h.finalize()
+}
+
+/// CRC-32 of one page.
+pub fn page_crc(page: &[u8]) -> u32 {
+    crc32fast::hash(page)
+}
+
+pub(crate) fn encode_header() -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..8].copy_from_slice(&MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&0u32.to_le_bytes());
+    let c = crc(&[&h[..16]]);
+    h[16..20].copy_from_slice(&c.to_le_bytes());
+    h
+}
+
+fn frame_header(kind: Kind, flags: u8, len: u32) -> [u8; FRAME_HEADER_LEN] {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    h[0] = kind as u8;
+    h[1] = flags;
+    h[4..8].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Appends one complete frame (not `Pages`) to `out`.
+fn encode_simple(kind: Kind, payload: &[u8], out: &mut Vec<u8>) {
+    let h = frame_header(kind, 0, payload.len() as u32);
+    out.extend_from_slice(&h);
+    out.extend_from_slice(payload);
+    out.extend_from_slice(&crc(&[&h, payload]).to_le_bytes());
+}
+
+fn zero_pages_payload(addr: u64, count: u32) -> [u8; PAGES_FIXED_LEN] {
+    let mut p = [0u8; PAGES_FIXED_LEN];
+    p[..8].copy_from_slice(&addr.to_le_bytes());
+    p[8..12].copy_from_slice(&count.to_le_bytes());
+    p
+}
+
+/// Encodes a frame other than `Pages` (a `State` blob larger than a frame becomes several
+/// frames).
+pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    match frame {
+        Frame::Config(c) => {
+            let json = serde_json::to_vec(c)
+                .map_err(|e| Error::Param(format!("configuration to JSON: {e}")))?;
+            if json.len() > MAX_CONFIG_LEN as usize {
+                return Err(Error::Param(format!(
+                    "the configuration is {} bytes of JSON, more than {MAX_CONFIG_LEN}",
+                    json.len()
+                )));
+            }
+            encode_simple(Kind::Config, &json, &mut out);
+        }
+        Frame::Pages(_) => {
+            return Err(Error::Param(
+                "Pages frames are written with write_pages, not encode_frame".into(),
+            ))
+        }
+        Frame::ZeroPages { addr, count } => encode_simple(
+            Kind::ZeroPages,
+            &zero_pages_payload(*addr, *count),
+            &mut out,
+        ),
+        Frame::RoundEnd(r) => {
+            let mut p = Vec::with_capacity(ROUND_END_LEN as usize);
+            p.extend_from_slice(&r.round.to_le_bytes());
+            p.extend_from_slice(&u32::from(r.final_round).to_le_bytes());
+            for v in [
+                r.pages,
+                r.zero_pages,
+                r.bytes,
+                r.dirty_pages_found,
+                r.duration_us,
+            ] {
+                p.extend_from_slice(&v.to_le_bytes());
+            }
+            encode_simple(Kind::RoundEnd, &p, &mut out);
+        }
+        Frame::State(s) => {
+            if s.len() > MAX_STATE_TOTAL {
+                return Err(Error::Param(format!(
+                    "the device/vCPU state is {} bytes, more than the {MAX_STATE_TOTAL} a stream may carry",
+                    s.len()
+                )));
+            }
+            if s.is_empty() {
+                encode_simple(Kind::State, &[], &mut out);
+            }
+            for chunk in s.chunks(MAX_FRAME_PAYLOAD as usize) {
+                encode_simple(Kind::State, chunk, &mut out);
+            }
+        }
+        Frame::End(e) => {
+            let mut p = Vec::with_capacity(END_LEN as usize);
+            p.extend_from_slice(&e.rounds.to_le_bytes());
+            p.extend_from_slice(&0u32.to_le_bytes());
+            p.extend_from_slice(&e.total_pages.to_le_bytes());
+            p.extend_from_slice(&e.total_zero_pages.to_le_bytes());
+            encode_simple(Kind::End, &p, &mut out);
+        }
+        Frame::Error(msg) => {
+            let mut m = msg.as_bytes();
+            if m.len() > MAX_ERROR_LEN as usize {
+                let mut cut = MAX_ERROR_LEN as usize;
+                while !msg.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                m = &m[..cut];
+            }
+            encode_simple(Kind::Error, m, &mut out);
+        }
+        Frame::Ready => encode_simple(Kind::Ready, &[], &mut out),
+        Frame::Ack => encode_simple(Kind::Ack, &[], &mut out),
+        Frame::RoundAck(n) => encode_simple(Kind::RoundAck, &n.to_le_bytes(), &mut out),
+    }
+    Ok(out)
+}
+
+/// Queues the head of a `Pages` frame (frame header, address, count, CRC table) and returns
+/// the trailer to queue after the data.
+pub(crate) fn pages_head(
+    batch: &mut Batch,
+    addr: u64,
+    live: bool,
+    crcs: &[u32],
+) -> [u8; FRAME_TRAILER_LEN] {
+    let count = crcs.len() as u32;
+    let len = PAGES_FIXED_LEN as u32 + count * (4 + PAGE_SIZE as u32);
+    let h = frame_header(Kind::Pages, if live { FLAG_LIVE } else { 0 }, len);
+    let fixed = zero_pages_payload(addr, count);
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&h);
+    hasher.update(&fixed);
+    batch.push_bytes(&h);
+    batch.push_bytes(&fixed);
+    let mut table = [0u8; 4 * MAX_PAGES_PER_FRAME as usize];
+    for (i, c) in crcs.iter().enumerate() {
+        table[i * 4..i * 4 + 4].copy_from_slice(&c.to_le_bytes());
+    }
+    let table = &table[..crcs.len() * 4];
+    hasher.update(table);
+    batch.push_bytes(table);
+    hasher.finalize().to_le_bytes()
+}
+
+/// Wire size of a `Pages` frame of `count` pages.
+pub fn pages_frame_len(count: u64) -> u64 {
+    (FRAME_HEADER_LEN + PAGES_FIXED_LEN + FRAME_TRAILER_LEN) as u64 + count * (4 + PAGE_SIZE)
+}
+
+/// Wire size of a `ZeroPages` frame.
+pub const ZERO_PAGES_FRAME_LEN: u64 =
+    (FRAME_HEADER_LEN + PAGES_FIXED_LEN + FRAME_TRAILER_LEN) as u64;
+
+/// Writes a stream (or reply channel) over any [`Write`]. Frames are gathered and written
+/// with `write_vectored`; call [`StreamWriter::flush`] to push them out.
+pub struct StreamWriter<W: Write> {
+    pub(crate) out: Out<W>,
+    pub(crate) batch: Batch,
+}
+
+impl<W: Write> StreamWriter<W> {
+    pub fn new(inner: W) -> Self {
+        Self::with_max_bandwidth(inner, None)
+    }
+
+    /// A writer that sends at most `bytes_per_s` bytes per second (token bucket).
+    pub fn with_max_bandwidth(inner: W, bytes_per_s: Option<u64>) -> Self {
+        StreamWriter {
+            out: Out::new(inner, bytes_per_s),
+            batch: Batch::new(),
+        }
+    }
+
+    pub(crate) fn maybe_flush(&mut self) -> Result<()> {
+        if self.batch.is_full() {
+            self.batch.flush_to(&mut self.out)?;
+        }
+        Ok(())
+    }
+
+    /// Queues the stream header.
+    pub fn write_header(&mut self) -> Result<()> {
+        self.batch.push_bytes(&encode_header());
+        self.maybe_flush()
+    }
+
+    /// Queues a frame (not `Pages`: see [`StreamWriter::write_pages`]); returns its size.
+    pub fn write_frame(&mut self, frame: &Frame) -> Result<u64> {
+        let bytes = encode_frame(frame)?;
+        self.batch.push_bytes(&bytes);
+        self.maybe_flush()?;
+        Ok(bytes.len() as u64)
+    }
+
+    /// Queues `Pages` frames for `data` (whole pages) at guest address `addr`, copying the
+    /// data. Guest memory is sent without copies by the engine; this is for tools and tests.
+    pub fn write_pages(&mut self, addr: u64, data: &[u8], live: bool) -> Result<u64> {
+        if data.is_empty()
+            || !data.len().is_multiple_of(PAGE_USIZE)
+            || !addr.is_multiple_of(PAGE_SIZE)
+        {
+            return Err(Error::Param(format!(
+                "write_pages needs whole, aligned pages (address {addr:#x}, {} bytes)",
+                data.len()
+            )));
+        }
+        let mut total = 0;
+        let per = MAX_PAGES_PER_FRAME as usize * PAGE_USIZE;
+        for (i, chunk) in data.chunks(per).enumerate() {
+            let crcs: Vec<u32> = chunk.chunks(PAGE_USIZE).map(page_crc).collect();
+            let a = addr + (i * per) as u64;
+            let trailer = pages_head(&mut self.batch, a, live, &crcs);
+            self.batch.push_bytes(chunk);
+            self.batch.push_bytes(&trailer);
+            total += pages_frame_len(crcs.len() as u64);
+            self.maybe_flush()?;
+        }
+        Ok(total)
+    }
+
+    /// Writes everything queued and flushes the writer.
+    pub fn flush(&mut self) -> Result<()> {
+        self.batch.flush_to(&mut self.out)?;
+        self.out.flush()
+    }
+
+    /// Bytes written to the underlying writer so far.
+    pub fn bytes_written(&self) -> u64 {
+        self.out.bytes
+    }
+
+    /// Drops anything queued and returns the writer.
+    pub fn into_inner(self) -> W {
+        self.out.inner
+    }
+}
+
+/// Writes one reply frame (`Ready`, `Ack` or `Error`) and flushes.
+pub fn send_reply<W: Write>(w: &mut W, frame: &Frame) -> Result<()> {
+    let bytes = encode_frame(frame)?;
+    w.write_all(&bytes)
+        .and_then(|_| w.flush())
+        .map_err(|e| Error::io("sending a reply to the source", e))
+}
+
+/// Waits for the destination's final acknowledgement on the reply channel. An `Error` frame
+/// becomes [`Error::Peer`]; end of file or a read timeout (set one on the socket) is an
+/// error too.
+pub fn wait_ack<R: Read>(reader: &mut R) -> Result<()> {
+    wait_reply(reader, &Frame::Ack)
+}
+
+/// Reads one reply frame and checks it is `want`.
+pub(crate) fn wait_reply<R: Read>(reader: &mut R, want: &Frame) -> Result<()> {
+    let what = match want {
+        Frame::Ack => "its acknowledgement".to_string(),
+        Frame::Ready => "accepting the configuration".to_string(),
+        Frame::RoundAck(n) => format!("acknowledging round {n}"),
+        other => format!("{other:?}"),
+    };
+    let mut r = StreamReader::replies(reader);
+    match r.next_frame() {
+        Ok(f) if f == *want => Ok(()),
+        Ok(Frame::Error(message)) => Err(Error::Peer {
+            peer: "destination",
+            message,
+        }),
+        Ok(f) => Err(Error::Protocol {
+            offset: 0,
+            reason: format!("the destination replied {f:?} instead of {what}"),
+        }),
+        Err(Error::EndedEarly { .. }) => Err(Error::Vmm(format!(
+            "the destination closed the connection before {what}"
+        ))),
+        Err(Error::Io { source, .. }) => Err(Error::io(
+            format!("waiting for the destination {what}"),
+            source,
+        )),
+        Err(e) => Err(e),
+    }
+}
+
+struct Pending {
+    offset: u64,
+    addr: u64,
+    count: u32,
+    live: bool,
+    crcs: Vec<u32>,
+    hasher: crc32fast::Hasher,
+}
+
+/// Reads and validates a stream (or a reply channel) from any [`Read`]. Wrap sockets and
+/// files in a `BufReader`: frames are read with small reads.
+pub struct StreamReader<R: Read> {
+    inner: R,
+    offset: u64,
+    replies: bool,
+    header: Option<Header>,
+    ranges: Option<Vec<RamRange>>,
+    pending: Option<Pending>,
+}
+
+impl<R: Read> StreamReader<R> {
+    /// A reader of a migration stream (header first).
+    pub fn new(inner: R) -> Self {
+        StreamReader {
+            inner,
+            offset: 0,
+            replies: false,
+            header: None,
+            ranges: None,
+            pending: None,
+        }
+    }
+
+    /// A reader of the reply channel (no header; only `Ready`, `Ack` and `Error`).
+    pub fn replies(inner: R) -> Self {
+        StreamReader {
+            replies: true,
+            ..Self::new(inner)
+        }
+    }
+
+    /// Sets the guest RAM that page frames must fall in. Until this is called, page frames
+    /// are refused.
+    pub fn set_ram_ranges(&mut self, ranges: Vec<RamRange>) {
+        self.ranges = Some(ranges);
+    }
+
+    /// Bytes consumed so far.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    pub fn into_inner(self) -> R {
+        self.inner
+    }
+
+    fn fill(&mut self, buf: &mut [u8], what: &dyn Fn() -> String) -> Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.inner.read(&mut buf[done..]) {
+                Ok(0) => {
+                    return Err(Error::Truncated {
+                        what: what(),
+                        offset: self.offset,
+                    })
+                }
+                Ok(n) => {
+                    done += n;
+                    self.offset += n as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(Error::io(
+                        format!("reading the migration stream at byte {}", self.offset),
+                        e,
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and checks the stream header (done by the first `next_frame` if not called).
+    pub fn read_header(&mut self) -> Result<Header> {
+        if let Some(h) = self.header {
+            return Ok(h);
+        }
+        let mut h = [0u8; HEADER_LEN];
+        let what = || "the stream header".to_string();
+        self.fill(&mut h[..8], &what)?;
+        if h[..8] != MAGIC {
+            let mut found = [0u8; 8];
+            found.copy_from_slice(&h[..8]);
+            return Err(Error::BadMagic { found });
+        }
+        self.fill(&mut h[8..12], &what)?;
+        let version = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+        if version != FORMAT_VERSION {
+            return Err(Error::UnsupportedVersion {
+                found: version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        self.fill(&mut h[12..20], &what)?;
+        let stored = u32::from_le_bytes([h[16], h[17], h[18], h[19]]);
+        let computed = crc(&[&h[..16]]);
+        if stored != computed {
+            return Err(Error::Checksum {
+                what: "the stream header".into(),
+                offset: 0,
+                stored,
+                computed,
+            });
+        }
+        let flags = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
+        if flags != 0 {
+            return Err(Error::UnknownHeaderFlags { flags });
+        }
+        let header = Header { version, flags };
+        self.header = Some(header);
+        Ok(header)
+    }
+
+    /// Reads the next frame, validating its kind, length, checksum and fields. After a
+    /// `Pages` frame, call [`StreamReader::read_page_data`]; otherwise the data is read,
+    /// checked and discarded by the next call.
+    pub fn next_frame(&mut self) -> Result<Frame> {
+        if !self.replies && self.header.is_none() {
+            self.read_header()?;
+        }
+        if self.pending.is_some() {
+            self.skip_page_data()?;
+        }
+        let start = self.offset;
+        let mut h = [0u8; FRAME_HEADER_LEN];
+        // A clean end of file between frames is reported as such.
+        loop {
+            match self.inner.read(&mut h[..1]) {
+                Ok(0) => return Err(Error::EndedEarly { offset: start }),
+                Ok(_) => {
+                    self.offset += 1;
+                    break;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(Error::io(
+                        format!("reading the migration stream at byte {start}"),
+                        e,
+                    ))
+                }
+            }
+        }
+        self.fill(&mut h[1..], &|| format!("the frame header at byte {start}"))?;
+        let kind = Kind::from_u8(h[0])
+            .filter(|k| {
+                if self.replies {
+                    k.is_reply()
+                } else {
+                    k.is_stream()
+                }
+            })
+            .ok_or(Error::UnknownKind {
+                kind: h[0],
+                offset: start,
+            })?;
+        let name = kind.name();
+        let malformed = |reason: String| Error::Malformed {
+            kind: name,
+            offset: start,
+            reason,
+        };
+        let flags = h[1];
+        let allowed_flags = if kind == Kind::Pages { FLAG_LIVE } else { 0 };
+        if flags & !allowed_flags != 0 {
+            return Err(malformed(format!("unknown flags {flags:#04x}")));
+        }
+        if h[2] != 0 || h[3] != 0 {
+            return Err(malformed("reserved bytes are not zero".into()));
+        }
+        let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        if len > kind.max_len() {
+            return Err(Error::FrameTooLarge {
+                kind: name,
+                length: len,
+                max: kind.max_len(),
+                offset: start,
+            });
+        }
+        if let Some(fixed) = kind.fixed_len() {
+            if len != fixed {
+                return Err(malformed(format!(
+                    "length {len}, a {name} frame is {fixed} bytes"
+                )));
+            }
+        }
+        if kind == Kind::Pages {
+            return self.pages_head(start, h, len);
+        }
+
+        // Everything else: read the payload (growing the buffer as bytes arrive, so a lying
+        // length in a cut stream allocates nothing) and check the CRC before decoding.
+        let mut payload = Vec::with_capacity((len as usize).min(64 << 10));
+        let got = (&mut self.inner)
+            .take(u64::from(len))
+            .read_to_end(&mut payload)
+            .map_err(|e| {
+                Error::io(
+                    format!("reading the migration stream at byte {}", self.offset),
+                    e,
+                )
+            })?;
+        self.offset += got as u64;
+        if got < len as usize {
+            return Err(Error::Truncated {
+                what: format!("the {name} frame at byte {start}"),
+                offset: self.offset,
+            });
+        }
+        let mut t = [0u8; FRAME_TRAILER_LEN];
+        self.fill(&mut t, &|| {
+            format!("the checksum of the {name} frame at byte {start}")
+        })?;
+        let stored = u32::from_le_bytes(t);
+        let computed = crc(&[&h, &payload]);
+        if stored != computed {
+            return Err(Error::Checksum {
+                what: format!("the {name} frame"),
+                offset: start,
+                stored,
+                computed,
+            });
+        }
+        let u32_at = |o: usize| {
+            u32::from_le_bytes([payload[o], payload[o + 1], payload[o + 2], payload[o + 3]])
+        };
+        let u64_at = |o: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&payload[o..o + 8]);
+            u64::from_le_bytes(b)
+        };
+        Ok(match kind {
+            Kind::Config => Frame::Config(
+                serde_json::from_slice(&payload)
+                    .map_err(|e| malformed(format!("configuration JSON: {e}")))?,
+            ),
+            Kind::ZeroPages => {
+                let addr = u64_at(0);
+                let count = u32_at(8);
+                if u32_at(12) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                self.check_range(start, addr, count)?;
+                Frame::ZeroPages { addr, count }
+            }
+            Kind::RoundEnd => {
+                let final_flag = u32_at(4);
+                if final_flag > 1 {
+                    return Err(malformed(format!("unknown round flags {final_flag:#x}")));
+                }
+                Frame::RoundEnd(RoundEndInfo {
+                    round: u32_at(0),
+                    final_round: final_flag == 1,
+                    pages: u64_at(8),
+                    zero_pages: u64_at(16),
+                    bytes: u64_at(24),
+                    dirty_pages_found: u64_at(32),
+                    duration_us: u64_at(40),
+                })
+            }
+            Kind::State => Frame::State(payload),
+            Kind::End => {
+                if u32_at(4) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                Frame::End(EndInfo {
+                    rounds: u32_at(0),
+                    total_pages: u64_at(8),
+                    total_zero_pages: u64_at(16),
+                })
+            }
+            Kind::Error => Frame::Error(String::from_utf8_lossy(&payload).into_owned()),
+            Kind::Ready => Frame::Ready,
+            Kind::Ack => Frame::Ack,
+            Kind::RoundAck => Frame::RoundAck(u32_at(0)),
+            Kind::Pages => return Err(malformed("unexpected Pages frame".into())),
+        })
+    }
+
+    fn check_range(&self, start: u64, addr: u64, count: u32) -> Result<(usize, u64)> {
+        let bad = |reason: String| Error::BadPageRange {
+            addr,
+            end: addr.saturating_add(u64::from(count) * PAGE_SIZE),
+            count: u64::from(count),
+            offset: start,
+            reason,
+        };
+        let ranges = self
+            .ranges
+            .as_ref()
+            .ok_or_else(|| bad("page frames before the configuration".into()))?;
+        locate_in(ranges, addr, u64::from(count)).map_err(bad)
+    }
+
+    fn pages_head(&mut self, start: u64, h: [u8; FRAME_HEADER_LEN], len: u32) -> Result<Frame> {
+        let malformed = |reason: String| Error::Malformed {
+            kind: "Pages",
+            offset: start,
+            reason,
+        };
+        if (len as usize) < PAGES_FIXED_LEN {
+            return Err(malformed(format!("length {len} is too short")));
+        }
+        let mut fixed = [0u8; PAGES_FIXED_LEN];
+        self.fill(&mut fixed, &|| format!("the Pages frame at byte {start}"))?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&fixed[..8]);
+        let addr = u64::from_le_bytes(a);
+        let count = u32::from_le_bytes([fixed[8], fixed[9], fixed[10], fixed[11]]);
+        let reserved = u32::from_le_bytes([fixed[12], fixed[13], fixed[14], fixed[15]]);
+        if reserved != 0 {
+            return Err(malformed("reserved field is not zero".into()));
+        }
+        let expect = PAGES_FIXED_LEN as u64 + u64::from(count) * (4 + PAGE_SIZE);
+        if count == 0 || u64::from(len) != expect {
+            return Err(malformed(format!(
+                "length {len} does not match {count} pages ({expect} bytes)"
+            )));
+        }
+        self.check_range(start, addr, count)?;
+        let mut table = vec![0u8; count as usize * 4];
+        self.fill(&mut table, &|| format!("the Pages frame at byte {start}"))?;
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&h);
+        hasher.update(&fixed);
+        hasher.update(&table);
+        let crcs = table
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let live = h[1] & FLAG_LIVE != 0;
+        self.pending = Some(Pending {
+            offset: start,
+            addr,
+            count,
+            live,
+            crcs,
+            hasher,
+        });
+        Ok(Frame::Pages(PagesHeader { addr, count, live }))
+    }
+
+    /// Reads the data of the `Pages` frame just returned into `dst` (`count * 4096` bytes)
+    /// and checks it. Returns the indices of pages whose CRC did not match; that is only
+    /// possible for a live frame (for others it is an error).
+    pub fn read_page_data(&mut self, dst: &mut [u8]) -> Result<Vec<u32>> {
+        let p = self.take_pending()?;
+        if dst.len() as u64 != u64::from(p.count) * PAGE_SIZE {
+            return Err(Error::Param(format!(
+                "read_page_data: {} bytes given for {} pages",
+                dst.len(),
+                p.count
+            )));
+        }
+        let start = p.offset;
+        self.fill(dst, &|| {
+            format!("the page data of the Pages frame at byte {start}")
+        })?;
+        let computed: Vec<u32> = dst.chunks_exact(PAGE_USIZE).map(page_crc).collect();
+        self.finish_pages(p, &computed)
+    }
+
+    /// Reads the data of the `Pages` frame just returned into a new vector.
+    pub fn read_page_data_vec(&mut self) -> Result<(Vec<u8>, Vec<u32>)> {
+        let count = self.pending.as_ref().map_or(0, |p| p.count);
+        // Bounded by MAX_FRAME_PAYLOAD: the frame length was checked.
+        let mut v = vec![0u8; count as usize * PAGE_USIZE];
+        let bad = self.read_page_data(&mut v)?;
+        Ok((v, bad))
+    }
+
+    fn take_pending(&mut self) -> Result<Pending> {
+        self.pending.take().ok_or(Error::Param(
+            "read_page_data called without a Pages frame before it".into(),
+        ))
+    }
+
+    fn skip_page_data(&mut self) -> Result<()> {
+        let p = self.take_pending()?;
+        let mut page = vec![0u8; PAGE_USIZE];
+        let mut computed = Vec::with_capacity(p.count as usize);
+        let start = p.offset;
+        for _ in 0..p.count {
+            self.fill(&mut page, &|| {
+                format!("the page data of the Pages frame at byte {start}")
+            })?;
+            computed.push(page_crc(&page));
+        }
+        self.finish_pages(p, &computed).map(|_| ())
+    }
+
+    fn finish_pages(&mut self, p: Pending, computed: &[u32]) -> Result<Vec<u32>> {
+        let start = p.offset;
+        let mut t = [0u8; FRAME_TRAILER_LEN];
+        self.fill(&mut t, &|| {
+            format!("the checksum of the Pages frame at byte {start}")
+        })?;
+        let stored = u32::from_le_bytes(t);
+        let head = p.hasher.finalize();
+        if stored != head {
+            return Err(Error::Checksum {
+                what: "the Pages frame".into(),
+                offset: start,
+                stored,
+                computed: head,
+            });
+        }
+        let bad: Vec<u32> = (0..p.count)
+            .filter(|&i| p.crcs[i as usize] != computed[i as usize])
+            .collect();
+        if let (Some(&i), false) = (bad.first(), p.live) {
+            return Err(Error::Checksum {
+                what: format!(
+                    "guest page {:#x} of the Pages frame",
+                    p.addr + u64::from(i) * PAGE_SIZE
+                ),
+                offset: start,
+                stored: p.crcs[i as usize],
+                computed: computed[i as usize],
+            });
+        }
+        Ok(bad)
+    }
+}
