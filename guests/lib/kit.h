@@ -281,4 +281,126 @@ void console_unlock(void);
 /* ---- end of SMP / LAPIC ---- */
 /* ==================================================================== */
 
+/* ==================================================================== */
+/* ---- I/O APIC, 8259 PIC, PIT, RTC (lib/ioapic.c, lib/pic.c, lib/pit.c, lib/rtc.c) ---- */
+/*
+ * ISA IRQ n reaches 8259 input n and I/O APIC pin n, except IRQ 0 (the
+ * PIT), which reaches I/O APIC pin 2 (the MADT's interrupt source
+ * override).  Everything here works at CPL 0; the I/O APIC is MMIO (user-
+ * accessible) and the ports are open at CPL 3, so it works there too.
+ */
+#define ISA_IRQ_PIT		0
+#define ISA_IRQ_COM1		4
+#define ISA_IRQ_RTC		8
+#define IOAPIC_PIN_PIT		2	/* ISA IRQ 0 -> GSI 2 */
+
+/* I/O APIC: registers at IOAPIC_BASE (IOREGSEL at +0, IOWIN at +0x10). */
+#define IOAPIC_BASE		0xfec00000UL
+#define IOAPIC_REG_ID		0x00	/* ID in bits 27:24 */
+#define IOAPIC_REG_VER		0x01	/* version 7:0, max redirection entry 23:16 */
+#define IOAPIC_REG_REDTBL(pin)	(0x10 + 2 * (pin))	/* low dword; high dword at +1 */
+/* Redirection entry, low dword (the destination is bits 63:56). */
+#define IOAPIC_DM_FIXED		(0u << 8)
+#define IOAPIC_DM_LOWEST	(1u << 8)
+#define IOAPIC_DM_NMI		(4u << 8)
+#define IOAPIC_DM_EXTINT	(7u << 8)
+#define IOAPIC_LOGICAL		(1u << 11)	/* destination = logical (flat: CPU bit mask) */
+#define IOAPIC_DELIVERY_STATUS	(1u << 12)	/* read-only */
+#define IOAPIC_ACTIVE_LOW	(1u << 13)
+#define IOAPIC_REMOTE_IRR	(1u << 14)	/* read-only: level interrupt accepted, no EOI yet */
+#define IOAPIC_LEVEL		(1u << 15)
+#define IOAPIC_MASKED		(1u << 16)
+#define IOAPIC_WRITABLE		0x0001afffu	/* vector, mode, dest mode, polarity, trigger, mask */
+/* Register access; each call is atomic against other CPUs (a lock) and, at
+ * CPL 0, against this CPU's interrupt handlers (IF off inside). */
+u32 ioapic_read(u32 reg);
+void ioapic_write(u32 reg, u32 v);
+u32 ioapic_id(void);				/* ID register, bits 27:24 */
+u32 ioapic_version(void);			/* 0x11 (KVM), 0x20 (ICH, ferrovm split) */
+unsigned ioapic_pins(void);			/* max redirection entry + 1 (24) */
+u64 ioapic_get_entry(unsigned pin);
+/* Writes the whole entry: masks the pin, writes the high then the low
+ * dword (the low one may unmask). */
+void ioapic_set_entry(unsigned pin, u64 entry);
+/* Fixed delivery of `vector` to `dest` (APIC ID, or the logical set with
+ * IOAPIC_LOGICAL); `flags` adds IOAPIC_LEVEL, IOAPIC_ACTIVE_LOW,
+ * IOAPIC_DM_*, IOAPIC_MASKED.  Unmasked unless IOAPIC_MASKED is given. */
+void ioapic_route(unsigned pin, u8 vector, u8 dest, u32 flags);
+void ioapic_mask(unsigned pin);
+void ioapic_unmask(unsigned pin);
+void ioapic_mask_all(void);			/* every entry = masked, vector 0 (reset state) */
+bool ioapic_remote_irr(unsigned pin);
+
+/* 8259A pair (master 0x20/0x21, slave 0xa0/0xa1 on master input 2) and the
+ * edge/level control registers (0x4d0/0x4d1). */
+#define PIC_MASTER_CMD		0x20
+#define PIC_MASTER_DATA		0x21
+#define PIC_SLAVE_CMD		0xa0
+#define PIC_SLAVE_DATA		0xa1
+#define PIC_CASCADE_IRQ		2
+#define ELCR_PORT		0x4d0
+/* ICW1-ICW4: edge triggered, cascaded (slave on IR2), vector bases (multiples
+ * of 8), 8086 mode, normal EOI; leaves both IMRs 0xff (all masked) and OCW3
+ * reading IRR. */
+void pic_init(u8 master_base, u8 slave_base);
+void pic_set_imr(u16 mask);			/* bits 7:0 master, 15:8 slave; 1 = masked */
+u16 pic_imr(void);
+void pic_unmask_irq(unsigned irq);		/* 8-15 also unmask the cascade (IRQ 2) */
+void pic_mask_irq(unsigned irq);
+void pic_disable(void);				/* IMR 0xffff (works uninitialised too) */
+/* Specific EOI (OCW2 0x60 | ir) for `irq`: for 8-15 to the slave (irq - 8)
+ * and then to the master (IR2). */
+void pic_eoi(unsigned irq);
+void pic_eoi_nonspecific(unsigned irq);	/* OCW2 0x20, slave too for 8-15 */
+/* OCW2 "set priority" (0xc0 | ir) to the chip holding `irq`: that input gets
+ * the lowest priority, the next one the highest (the reset order is IR0
+ * highest, IR7 lowest). */
+void pic_set_lowest_priority(unsigned irq);
+u16 pic_irr(void);				/* OCW3 reads, master | slave << 8 */
+u16 pic_isr(void);
+u16 elcr_read(void);				/* 1 = level triggered; IRQ 0-7 | 8-15 << 8 */
+void elcr_write(u16 v);
+
+/* 8254 PIT channel 0 (ports 0x40, 0x43), binary, lobyte/hibyte.  Input clock
+ * 1.193182 MHz; divisor 0 = 65536.  VMMs clamp fast periodic rates (KVM's
+ * in-kernel PIT: 200 us by default; ferrovm's user-space PIT: 100 us). */
+#define PIT_INPUT_HZ		1193182u
+void pit_periodic(u16 divisor);			/* mode 2, rate generator */
+void pit_square_wave(u16 divisor);		/* mode 3 */
+void pit_oneshot(u16 count);			/* mode 0: one IRQ 0 edge after `count` ticks */
+/* Mode 0 with count 1: the periodic timer stops after one last IRQ 0 edge
+ * ~1 us later (mask the line first if it must not be seen). */
+void pit_stop(void);
+u16 pit_read_count(void);			/* counter-latch command, channel 0 */
+u64 pit_divisor_hz_milli(u16 divisor);		/* programmed rate in mHz */
+
+/* MC146818 RTC: index port 0x70 (NMI-mask bit kept 0), data port 0x71; IRQ 8
+ * follows IRQF (register C bit 7) as a level: high while an enabled flag is
+ * set, low once register C has been read. */
+#define RTC_REG_A		0x0a	/* rate select 3:0, divider 6:4 (0x20 = 32.768 kHz) */
+#define RTC_REG_B		0x0b
+#define RTC_REG_C		0x0c	/* flags; reading clears them */
+#define RTC_REG_D		0x0d
+#define RTC_B_PIE		0x40	/* periodic interrupt enable */
+#define RTC_B_AIE		0x20
+#define RTC_B_UIE		0x10
+#define RTC_C_IRQF		0x80
+#define RTC_C_PF		0x40	/* periodic flag */
+#define RTC_C_AF		0x20
+#define RTC_C_UF		0x10
+#define RTC_D_VRT		0x80
+/* Rate select rs = 3..15 gives 32768 >> (rs - 1) Hz: 3 = 8192 Hz, 6 = 1024 Hz,
+ * 15 = 2 Hz. */
+#define RTC_RATE_HZ(rs)		(32768u >> ((rs) - 1))
+/* Register access; each call is atomic against other CPUs and, at CPL 0,
+ * against this CPU's handlers. */
+u8 rtc_read(u8 reg);
+void rtc_write(u8 reg, u8 v);
+u8 rtc_ack(void);				/* reads register C: clears flags, drops IRQ 8 */
+void rtc_periodic(unsigned rs);			/* register A = 0x20 | rs, PIE on */
+void rtc_periodic_stop(void);			/* PIE off, then reads register C */
+bool rtc_present(void);				/* register D reads 0x80 */
+/* ---- end of I/O APIC, 8259 PIC, PIT, RTC ---- */
+/* ==================================================================== */
+
 #endif

@@ -295,7 +295,6 @@ mod tests {
             assert_eq!(ioapics.len(), 1);
             let io = ioapics[0];
             assert_eq!(io[1], IOAPIC_ID);
-            assert!(u32::from(io[1]) >= cpus && io[1] != 0xff);
             assert_eq!(io[3], 1, "enabled");
             assert_eq!(u32_at(io, 4), 0xfec0_0000);
 
