@@ -28,6 +28,8 @@ pub enum ExitReason {
     /// This vCPU's thread failed (the VMM, not the guest, ends the VM; the
     /// thread reports the cause itself).
     VcpuFailed(u32),
+    /// The machine was migrated: the destination runs the guest now.
+    Migrated,
 }
 
 impl ExitReason {
@@ -41,7 +43,7 @@ impl ExitReason {
     pub fn exit_status(self) -> i32 {
         match self {
             ExitReason::DebugExit(v) => (i32::from(v) << 1) | 1,
-            ExitReason::Reset | ExitReason::PowerOff => 0,
+            ExitReason::Reset | ExitReason::PowerOff | ExitReason::Migrated => 0,
             ExitReason::VcpuFailed(_) => 2,
         }
     }
@@ -54,6 +56,7 @@ impl ExitReason {
             ExitReason::Reset => (2, 0),
             ExitReason::PowerOff => (3, 0),
             ExitReason::VcpuFailed(id) => (4, id),
+            ExitReason::Migrated => (5, 0),
         };
         (kind << 32) | u64::from(payload)
     }
@@ -65,6 +68,7 @@ impl ExitReason {
             2 => Some(ExitReason::Reset),
             3 => Some(ExitReason::PowerOff),
             4 => Some(ExitReason::VcpuFailed(payload)),
+            5 => Some(ExitReason::Migrated),
             _ => None,
         }
     }

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
-use vmm::config::{parse_memory_size, parse_serial, IrqChipKind, VmConfig};
+use vmm::config::{parse_memory_size, parse_serial, IrqChipKind, StartFrom, VmConfig};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -46,8 +46,8 @@ pub enum AccelArg {
 #[derive(Args, Debug)]
 pub struct RunArgs {
     /// Kernel image: Linux bzImage, PVH ELF or Multiboot v1 ELF.
-    #[arg(long, value_name = "FILE")]
-    pub kernel: PathBuf,
+    #[arg(long, value_name = "FILE", required_unless_present_any = ["incoming", "restore"])]
+    pub kernel: Option<PathBuf>,
     /// Kernel command line.
     #[arg(long, value_name = "S", default_value = "")]
     pub cmdline: String,
@@ -82,10 +82,10 @@ pub struct RunArgs {
     #[arg(long)]
     pub wired: bool,
     /// Wait for an incoming live migration.
-    #[arg(long, value_name = "tcp:HOST:PORT", conflicts_with = "restore")]
+    #[arg(long, value_name = "tcp:HOST:PORT", conflicts_with_all = ["restore", "kernel"])]
     pub incoming: Option<String>,
     /// Restore a snapshot.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "kernel")]
     pub restore: Option<PathBuf>,
 }
 
@@ -94,8 +94,6 @@ impl RunArgs {
         let unsupported = [
             ("--disk", self.disk.is_some()),
             ("--net", self.net.is_some()),
-            ("--incoming", self.incoming.is_some()),
-            ("--restore", self.restore.is_some()),
         ];
         if let Some((option, _)) = unsupported.iter().find(|(_, given)| *given) {
             bail!("{option}: not supported yet");
@@ -104,7 +102,13 @@ impl RunArgs {
             bail!("--cpus 0: a guest needs at least one vCPU");
         }
         let memory = parse_memory_size(&self.memory)?;
-        let mut config = VmConfig::new(self.kernel);
+        let start = match (self.kernel, self.restore, self.incoming) {
+            (Some(kernel), None, None) => StartFrom::Kernel(kernel),
+            (None, Some(file), None) => StartFrom::Restore(file),
+            (None, None, Some(addr)) => StartFrom::Incoming(vmm::parse_tcp(&addr, "--incoming")?),
+            _ => bail!("give exactly one of --kernel, --restore and --incoming"),
+        };
+        let mut config = VmConfig::new(start);
         config.memory_text = self.memory;
         config.memory = memory;
         config.cmdline = self.cmdline;

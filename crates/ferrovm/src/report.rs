@@ -9,12 +9,12 @@ pub fn print_migration(v: &Value) {
         for r in rounds {
             println!(
                 "{:>5}  {:>11.1}  {:>10}  {:>10}  {:>8.1}  {:>11}",
-                r["index"],
+                r["index"].as_u64().unwrap_or(0),
                 r["duration_ms"].as_f64().unwrap_or(0.0),
-                r["pages_sent"],
-                r["zero_pages"],
+                r["pages_sent"].as_u64().unwrap_or(0),
+                r["zero_pages"].as_u64().unwrap_or(0),
                 r["bytes_sent"].as_u64().unwrap_or(0) as f64 / 1048576.0,
-                r["dirty_pages_found"],
+                r["dirty_pages_found"].as_u64().unwrap_or(0),
             );
         }
     }

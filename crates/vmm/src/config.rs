@@ -21,9 +21,19 @@ pub enum SerialOutput {
     None,
 }
 
+/// What the machine starts from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StartFrom {
+    Kernel(PathBuf),
+    /// A snapshot file; memory size, vCPUs and irqchip mode come from it.
+    Restore(PathBuf),
+    /// An incoming live migration on `HOST:PORT`.
+    Incoming(String),
+}
+
 #[derive(Clone, Debug)]
 pub struct VmConfig {
-    pub kernel: PathBuf,
+    pub start: StartFrom,
     pub cmdline: String,
     pub initrd: Option<PathBuf>,
     pub cpus: u32,
@@ -38,9 +48,9 @@ pub struct VmConfig {
 }
 
 impl VmConfig {
-    pub fn new(kernel: PathBuf) -> Self {
+    pub fn new(start: StartFrom) -> Self {
         VmConfig {
-            kernel,
+            start,
             cmdline: String::new(),
             initrd: None,
             cpus: 1,

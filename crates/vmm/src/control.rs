@@ -4,7 +4,7 @@
 //! outside KVM_RUN, and counts itself in. The controller waits for all of them, so when
 //! `pause` returns no vCPU is in the guest and its state can be read consistently.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,9 @@ use std::sync::Arc;
 use hypervisor::{save_vcpu_state, Vcpu, VcpuKicker, VcpuState};
 
 use crate::error::{Error, Result};
+
+/// The period over which auto-converge throttling takes its share of vCPU time.
+const THROTTLE_SLICE: Duration = Duration::from_millis(20);
 
 #[derive(Default)]
 struct Parked {
@@ -25,6 +28,9 @@ struct Parked {
 
 #[derive(Default)]
 pub struct RunControl {
+    /// Auto-converge: the share of time (percent) each vCPU is kept out of the guest.
+    throttle: AtomicU8,
+    throttle_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     pause_requested: AtomicBool,
     parked: Mutex<Parked>,
     cond: Condvar,
@@ -38,6 +44,44 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl RunControl {
     pub fn set_kickers(&self, kickers: Vec<VcpuKicker>) {
         let _ = self.kickers.set(kickers);
+    }
+
+    /// Sets the throttle. A non-zero throttle starts a thread that kicks every vCPU each
+    /// [`THROTTLE_SLICE`]; a kicked vCPU then sleeps its share of the slice.
+    pub fn set_throttle(self: &Arc<Self>, percent: u8) {
+        let percent = percent.min(99);
+        self.throttle.store(percent, Ordering::Release);
+        let mut thread = lock(&self.throttle_thread);
+        if percent == 0 {
+            if let Some(t) = thread.take() {
+                let _ = t.join();
+            }
+            return;
+        }
+        if thread.is_none() {
+            let control = self.clone();
+            *thread = std::thread::Builder::new()
+                .name("throttle".into())
+                .spawn(move || {
+                    while control.throttle.load(Ordering::Acquire) > 0 {
+                        if let Some(kickers) = control.kickers.get() {
+                            for k in kickers {
+                                let _ = k.kick();
+                            }
+                        }
+                        std::thread::sleep(THROTTLE_SLICE);
+                    }
+                })
+                .ok();
+        }
+    }
+
+    /// Called by a vCPU after a kick: sleeps the throttled share of a slice.
+    pub fn throttle_pause(&self) {
+        let percent = u32::from(self.throttle.load(Ordering::Relaxed));
+        if percent > 0 {
+            std::thread::sleep(THROTTLE_SLICE * percent / 100);
+        }
     }
 
     /// Checked by each vCPU at the top of its loop: one relaxed load on the fast path.

@@ -31,6 +31,8 @@ pub enum Error {
     Vcpu { id: u32, reason: String },
     #[error("{0}")]
     Control(String),
+    #[error("migration: {0}")]
+    Migration(String),
     #[error("machine state: {0}")]
     State(String),
     #[error("{0}")]

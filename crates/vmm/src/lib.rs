@@ -8,9 +8,11 @@ mod error;
 mod interrupts;
 mod machine;
 pub mod memory;
+mod snapshot;
 mod state;
 mod timers;
 mod vcpu;
 
 pub use error::{Error, Result};
 pub use machine::{run, Outcome};
+pub use snapshot::parse_tcp;

@@ -1,6 +1,7 @@
 //! The machine: accelerator, memory, devices, boot, vCPU threads and the main loop.
 
 use std::fs::File;
+use std::net::TcpListener;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
@@ -15,15 +16,16 @@ use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
 use devices::pit::Pit;
 use devices::rtc::Rtc;
 use devices::serial::{SerialDevice, SerialOutput as SerialSink};
-use hypervisor::{open_accelerator, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu, Vm};
+use hypervisor::{open_accelerator, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::api::{Api, MachineInfo, SocketGuard};
-use crate::config::{IrqChipKind, SerialOutput, VmConfig};
+use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
+use crate::snapshot::{self, Core};
 use crate::state::DeviceHandles;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
@@ -58,18 +60,26 @@ pub fn run(config: VmConfig) -> Result<Outcome> {
     machine.run()
 }
 
+/// How the vCPUs get their first state.
+enum Start {
+    /// Already set: the boot protocol's entry state.
+    Boot,
+    Restore(std::path::PathBuf),
+    Incoming(TcpListener),
+}
+
 struct Machine {
-    // Kept alive while the VM runs: the kernel maps this memory.
-    _memory: GuestMemory,
-    _vm: Arc<dyn Vm>,
+    /// Memory (kept alive while the VM runs: the kernel maps it), the VM and the devices.
+    core: Arc<Core>,
+    start: Start,
     vcpus: Vec<Box<dyn Vcpu>>,
     context: Arc<VcpuContext>,
     timers: Option<TimerDevices>,
     api: Option<(std::os::unix::net::UnixListener, Arc<Api>, SocketGuard)>,
 }
 
-fn open_kernel(config: &VmConfig) -> Result<File> {
-    let path = &config.kernel;
+fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
+    let path = &path.to_path_buf();
     let file_error = |reason: String| Error::File {
         path: path.clone(),
         reason,
@@ -93,8 +103,34 @@ fn open_kernel(config: &VmConfig) -> Result<File> {
 
 impl Machine {
     fn build(config: &VmConfig) -> Result<Self> {
+        // A snapshot decides the machine's shape.
+        let mut config = config.clone();
+        if let StartFrom::Restore(path) = &config.start {
+            let saved = snapshot::peek_snapshot_config(path)?;
+            config.memory = saved.memory_size;
+            config.memory_text = format!("{}", saved.memory_size);
+            config.cpus = saved.vcpus;
+            config.irqchip = match saved.irqchip.as_str() {
+                "split" => IrqChipKind::Split,
+                _ => IrqChipKind::Kernel,
+            };
+        }
+        let config = &config;
         memory::validate_size(config.memory, &config.memory_text)?;
-        let mut kernel = open_kernel(config)?;
+        let mut kernel = match &config.start {
+            StartFrom::Kernel(path) => Some(open_kernel(config, path)?),
+            _ => None,
+        };
+        let incoming = match &config.start {
+            StartFrom::Incoming(addr) => {
+                Some(TcpListener::bind(addr).map_err(|e| Error::Option {
+                    option: "--incoming",
+                    value: format!("tcp:{addr}"),
+                    reason: e.to_string(),
+                })?)
+            }
+            _ => None,
+        };
         let mut initrd = match &config.initrd {
             Some(path) => Some(File::open(path).map_err(|e| Error::File {
                 path: path.clone(),
@@ -139,27 +175,17 @@ impl Machine {
         };
 
         let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
-        memory::map_into_vm(&vm, &guest_memory)?;
-        let firmware_err = |e: String| Error::Firmware(e);
-        let rsdp = boot::acpi::create_acpi_tables(&guest_memory, config.cpus, config.memory)
-            .map_err(|e| firmware_err(e.to_string()))?;
-        boot::mptable::create_mptable(&guest_memory, config.cpus)
-            .map_err(|e| firmware_err(e.to_string()))?;
-        let boot_config = boot::BootConfig {
-            cmdline: config.cmdline.clone(),
-            mem_size: config.memory,
-            rsdp: Some(rsdp),
+        let regions = memory::map_into_vm(&vm, &guest_memory)?;
+        let entry = match kernel.as_mut() {
+            Some(kernel) => Some(load_firmware_and_kernel(
+                config,
+                &guest_memory,
+                kernel,
+                initrd.as_mut(),
+            )?),
+            // Restored or incoming RAM already holds the firmware tables and the kernel.
+            None => None,
         };
-        let entry = boot::load_kernel_with_config(
-            &guest_memory,
-            &mut kernel,
-            initrd.as_mut().map(|f| f as &mut dyn boot::ReadSeek),
-            &boot_config,
-        )
-        .map_err(|source| Error::Kernel {
-            path: config.kernel.clone(),
-            source,
-        })?;
 
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
@@ -176,22 +202,33 @@ impl Machine {
             control: Arc::new(RunControl::default()),
         });
 
+        let irqchip_name = match config.irqchip {
+            IrqChipKind::Kernel => "kernel",
+            IrqChipKind::Split => "split",
+        };
+        let guest_memory = Arc::new(guest_memory);
+        let core = Arc::new(Core {
+            memory: guest_memory.clone(),
+            vm: vm.clone(),
+            config: snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions),
+            regions,
+            control: context.control.clone(),
+            devices: device_handles,
+            msrs: hv.msr_index_list()?,
+            kernel_irqchip: config.irqchip == IrqChipKind::Kernel,
+            exit: context.exit.clone(),
+        });
         let api = match &config.api_socket {
             Some(path) => {
                 let listener = crate::api::bind(path)?;
                 let info = MachineInfo {
                     vcpus: config.cpus,
                     memory: config.memory,
-                    irqchip: match config.irqchip {
-                        IrqChipKind::Kernel => "kernel",
-                        IrqChipKind::Split => "split",
-                    },
+                    irqchip: irqchip_name,
                 };
-                let api = Arc::new(Api::new(
-                    context.control.clone(),
-                    context.exit.clone(),
-                    info,
-                ));
+                let mut api = Api::new(context.control.clone(), context.exit.clone(), info);
+                api.ops = Some(core.clone());
+                let api = Arc::new(api);
                 Some((listener, api, SocketGuard(path.clone())))
             }
             None => None,
@@ -202,22 +239,59 @@ impl Machine {
         for id in 0..config.cpus {
             let vcpu = vm.create_vcpu(id)?;
             vcpu.set_cpuid(&boot::cpuid::guest_cpuid(&supported_cpuid, id, config.cpus))?;
-            if id == 0 {
-                set_boot_registers(vcpu.as_ref(), &entry)?;
+            if let (0, Some(entry)) = (id, &entry) {
+                set_boot_registers(vcpu.as_ref(), entry)?;
             }
             vcpus.push(vcpu);
         }
+        let start = match (&config.start, incoming) {
+            (StartFrom::Restore(path), _) => Start::Restore(path.clone()),
+            (_, Some(listener)) => Start::Incoming(listener),
+            _ => Start::Boot,
+        };
         Ok(Machine {
-            _memory: guest_memory,
-            _vm: vm,
+            core,
             vcpus,
             context,
             timers: Some(timers),
             api,
+            start,
         })
     }
 
+    /// Loads a snapshot or receives a migration into the machine before it runs. Returns
+    /// the acknowledgement to send once the guest runs (incoming migration).
+    fn prepare_start(&mut self) -> Result<Option<migration::AckSender<std::net::TcpStream>>> {
+        let state = match std::mem::replace(&mut self.start, Start::Boot) {
+            Start::Boot => return Ok(None),
+            Start::Restore(path) => {
+                let state = snapshot::load_snapshot(&path, &self.core.memory, &self.core.config)?;
+                (state, None)
+            }
+            Start::Incoming(listener) => {
+                let incoming =
+                    snapshot::receive_migration(&listener, &self.core.memory, &self.core.config)?;
+                log::info!("migration received: {}", incoming.figures);
+                (incoming.state, Some(incoming.ack))
+            }
+        };
+        let (state, ack) = state;
+        let restored = state
+            .restore_platform(self.core.vm.as_ref(), &self.core.devices)
+            .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus));
+        match restored {
+            Ok(()) => Ok(ack),
+            Err(e) => {
+                if let Some(mut ack) = ack {
+                    let _ = ack.fail(&e.to_string());
+                }
+                Err(e)
+            }
+        }
+    }
+
     fn run(mut self) -> Result<Outcome> {
+        let mut ack = self.prepare_start()?;
         let signals = SignalWatch::install()?;
         let timer_thread = match self.timers.take() {
             Some(devices) => Some(TimerThread::spawn(devices)?),
@@ -242,6 +316,15 @@ impl Machine {
         self.context
             .control
             .set_kickers(threads.iter().map(|t| t.kicker).collect());
+        if let (Some(ack), None) = (ack.as_mut(), &start_error) {
+            // The guest runs here now: tell the source it may exit.
+            if let Err(e) = ack.ack() {
+                // The source will resume its own copy: this one must not run on.
+                start_error = Some(Error::Migration(format!(
+                    "cannot acknowledge the migration ({e}); stopping this copy"
+                )));
+            }
+        }
         let _socket = match self.api.take() {
             Some((listener, api, guard)) if start_error.is_none() => {
                 crate::api::serve(listener, api)?;
@@ -269,6 +352,38 @@ impl Machine {
             Some(outcome) => Ok(outcome),
         }
     }
+}
+
+/// Writes the firmware tables and loads the kernel: the BSP's entry state.
+fn load_firmware_and_kernel(
+    config: &VmConfig,
+    guest_memory: &GuestMemory,
+    kernel: &mut File,
+    initrd: Option<&mut File>,
+) -> Result<boot::BootEntry> {
+    let StartFrom::Kernel(path) = &config.start else {
+        return Err(Error::Devices("no kernel to load".into()));
+    };
+    let firmware_err = |e: String| Error::Firmware(e);
+    let rsdp = boot::acpi::create_acpi_tables(guest_memory, config.cpus, config.memory)
+        .map_err(|e| firmware_err(e.to_string()))?;
+    boot::mptable::create_mptable(guest_memory, config.cpus)
+        .map_err(|e| firmware_err(e.to_string()))?;
+    let boot_config = boot::BootConfig {
+        cmdline: config.cmdline.clone(),
+        mem_size: config.memory,
+        rsdp: Some(rsdp),
+    };
+    boot::load_kernel_with_config(
+        guest_memory,
+        kernel,
+        initrd.map(|f| f as &mut dyn boot::ReadSeek),
+        &boot_config,
+    )
+    .map_err(|source| Error::Kernel {
+        path: path.clone(),
+        source,
+    })
 }
 
 /// Stops every vCPU thread (flag, then kick so a thread inside the guest returns) and

@@ -94,25 +94,27 @@ fn wire(addr: *mut u8, len: usize) -> Result<()> {
 }
 
 /// Registers every RAM region with the VM, one slot each, in address order.
-pub fn map_into_vm(vm: &Arc<dyn Vm>, memory: &GuestMemory) -> Result<()> {
+pub fn map_into_vm(vm: &Arc<dyn Vm>, memory: &GuestMemory) -> Result<Vec<MemoryRegion>> {
+    let mut regions = Vec::new();
     for (slot, region) in memory.iter().enumerate() {
         let host_addr = region
             .get_host_address(vm_memory::MemoryRegionAddress(0))
             .map_err(|e| Error::Memory(e.to_string()))?;
-        // SAFETY: the mapping is owned by `memory`, which the machine keeps alive for as long
-        // as the VM exists.
-        unsafe {
-            vm.map_memory(&MemoryRegion {
-                slot: slot as u32,
-                guest_addr: region.start_addr().0,
-                size: region.len(),
-                host_addr: host_addr as u64,
-                readonly: false,
-                log_dirty: false,
-            })?;
-        }
+        // The mapping is owned by `memory`, which the machine keeps alive for as long as the
+        // VM exists.
+        let mapped = MemoryRegion {
+            slot: slot as u32,
+            guest_addr: region.start_addr().0,
+            size: region.len(),
+            host_addr: host_addr as u64,
+            readonly: false,
+            log_dirty: false,
+        };
+        // SAFETY: as above.
+        unsafe { vm.map_memory(&mapped)? };
+        regions.push(mapped);
     }
-    Ok(())
+    Ok(regions)
 }
 
 #[cfg(test)]

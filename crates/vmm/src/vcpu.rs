@@ -146,6 +146,7 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
                 None
             }
             VcpuExit::Interrupted => {
+                ctx.control.throttle_pause();
                 if ctx.sample_rip && !ctx.stop.load(Ordering::Acquire) {
                     if let Ok(regs) = vcpu.regs() {
                         log::info!("vCPU {id}: RIP {:#x} RSP {:#x}", regs.rip, regs.rsp);

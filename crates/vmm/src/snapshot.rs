@@ -1,0 +1,421 @@
+//! Snapshot, restore and live migration, wired to the machine: what `crates/migration` needs
+//! from a running VM (RAM, dirty pages, pause/resume, state) and the destination side.
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hypervisor::{restore_vcpu_state, MemoryRegion, Vcpu, VcpuState, Vm};
+use migration::{
+    Bitmap, DirtySource, MigrationConfig, MigrationParams, MigrationReport, Progress, RamRange,
+    StreamReader, VmControl,
+};
+use serde_json::{json, Value};
+
+use crate::api::{MachineOps, MigrateRequest};
+use crate::control::RunControl;
+use crate::error::{Error, Result};
+use crate::memory::GuestMemory;
+use crate::state::{DeviceHandles, MachineState};
+
+/// How long a pause may take before a snapshot or migration gives up (the guest runs on).
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A destination that stops reading or answering for this long is treated as gone.
+const PEER_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn mig_err(what: &str) -> impl Fn(migration::Error) -> Error + '_ {
+    move |e| Error::Migration(format!("{what}: {e}"))
+}
+
+/// Everything a snapshot or migration touches, shared with the API threads.
+pub struct Core {
+    pub memory: Arc<GuestMemory>,
+    pub vm: Arc<dyn Vm>,
+    pub regions: Vec<MemoryRegion>,
+    pub control: Arc<RunControl>,
+    pub devices: DeviceHandles,
+    pub config: MigrationConfig,
+    pub msrs: Vec<u32>,
+    pub kernel_irqchip: bool,
+    pub exit: Arc<devices::exit::ExitRequest>,
+}
+
+/// The migration config of a machine: what the destination must match.
+pub fn migration_config(
+    memory: u64,
+    vcpus: u32,
+    irqchip: &str,
+    regions: &[MemoryRegion],
+) -> MigrationConfig {
+    MigrationConfig {
+        memory_size: memory,
+        vcpus,
+        irqchip: irqchip.to_string(),
+        ram_regions: regions
+            .iter()
+            .map(|r| RamRange {
+                guest_addr: r.guest_addr,
+                size: r.size,
+            })
+            .collect(),
+        extra: Default::default(),
+    }
+}
+
+impl Core {
+    fn machine_state(&self, vcpus: Vec<VcpuState>) -> Result<MachineState> {
+        Ok(MachineState {
+            vcpus,
+            kernel_irqchip: if self.kernel_irqchip {
+                Some(self.vm.irqchip_state()?)
+            } else {
+                None
+            },
+            clock: self.vm.clock()?,
+            devices: self.devices.save(),
+        })
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// The figures of a migration, in the units `ctl` and docs/api.md use.
+pub fn report_json(r: &MigrationReport) -> Value {
+    json!({
+        "rounds": r.rounds.iter().map(|s| json!({
+            "index": s.index,
+            "live": s.live,
+            "duration_ms": ms(s.duration),
+            "pages_sent": s.pages_sent,
+            "zero_pages": s.zero_pages,
+            "bytes_sent": s.bytes_sent,
+            "dirty_pages_found": s.dirty_pages_found,
+            "throttle_percent": s.throttle_percent,
+        })).collect::<Vec<_>>(),
+        "total_ms": ms(r.total_time),
+        "downtime_ms": ms(r.downtime),
+        "downtime_estimate_ms": ms(r.downtime_estimate),
+        "stop_and_copy_ms": ms(r.stop_and_copy),
+        "bytes_total": r.bytes_total,
+        "pages_total": r.pages_total,
+        "zero_pages_total": r.zero_pages_total,
+        "touched_pages": r.touched_pages,
+        "untouched_pages_skipped": r.untouched_pages_skipped,
+        "swapped_pages": r.swapped_pages,
+        "state_bytes": r.state_bytes,
+        "bandwidth_bytes_per_s": r.bandwidth_bytes_per_s,
+        "converged": r.converged,
+        "stop_reason": format!("{:?}", r.stop_reason),
+        "max_throttle_percent": r.max_throttle_percent,
+    })
+}
+
+fn progress_json(p: &Progress) -> Value {
+    json!({
+        "phase": format!("{:?}", p.phase),
+        "round": p.round,
+        "bytes_sent": p.bytes_sent,
+        "bytes_remaining": p.bytes_remaining_estimate,
+        "dirty_rate": p.dirty_rate_pages_per_s,
+        "bandwidth": p.bandwidth_bytes_per_s,
+        "throttle_percent": p.throttle_percent,
+        "elapsed_ms": p.elapsed_ms,
+    })
+}
+
+impl MachineOps for Core {
+    fn snapshot(&self, path: &Path) -> Result<Value> {
+        let started = Instant::now();
+        let file = File::create(path).map_err(|e| Error::File {
+            path: path.to_path_buf(),
+            reason: format!("cannot create snapshot: {e}"),
+        })?;
+        let vcpus = self
+            .control
+            .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)?;
+        let result = self.machine_state(vcpus).and_then(|state| {
+            let bytes = state.to_bytes()?;
+            migration::snapshot(&*self.memory, &self.config, &bytes, BufWriter::new(file))
+                .map_err(mig_err("snapshot"))
+        });
+        self.control.resume();
+        let report = result.inspect_err(|_| {
+            let _ = std::fs::remove_file(path);
+        })?;
+        Ok(json!({
+            "ok": true,
+            "path": path,
+            "paused_ms": ms(started.elapsed()),
+            "bytes": report.bytes_total,
+            "pages": report.round.pages_sent,
+            "zero_pages": report.round.zero_pages,
+            "untouched_pages_skipped": report.untouched_pages_skipped,
+        }))
+    }
+
+    fn migrate(&self, request: &MigrateRequest, progress: &mut dyn FnMut(Value)) -> Result<Value> {
+        let addr = parse_tcp(&request.destination, "destination")?;
+        let stream = connect(&addr)?;
+        stream.set_write_timeout(Some(PEER_TIMEOUT))?;
+        stream.set_read_timeout(Some(PEER_TIMEOUT))?;
+        let _ = stream.set_nodelay(true);
+        let ack_in = stream.try_clone()?;
+        let params = MigrationParams {
+            max_bandwidth: request.max_bandwidth,
+            downtime_target: Duration::from_millis(request.downtime_ms.unwrap_or(50)),
+            max_rounds: request.max_rounds.unwrap_or(30),
+            max_time: request.max_time_s.map(Duration::from_secs),
+            auto_converge: request.auto_converge,
+        };
+        let mut dirty = VmDirty {
+            vm: self.vm.clone(),
+            regions: self.regions.clone(),
+        };
+        let mut control = VmPause {
+            core: self,
+            captured: None,
+            paused: false,
+        };
+        let result = migration::migrate(
+            &*self.memory,
+            &self.config,
+            &mut dirty,
+            &mut control,
+            BufWriter::with_capacity(1 << 20, stream),
+            BufReader::new(ack_in),
+            &params,
+            |p: &Progress| progress(progress_json(p)),
+        );
+        control.core.control.set_throttle(0);
+        match result {
+            Ok(report) => {
+                // The destination runs the guest now: this copy must never run again.
+                self.exit.request(devices::exit::ExitReason::Migrated);
+                Ok(json!({"ok": true, "report": report_json(&report)}))
+            }
+            Err(e) => {
+                // The engine resumed the guest if it had paused it: it runs on here.
+                if control.paused {
+                    self.control.resume();
+                }
+                Err(Error::Migration(format!(
+                    "{e} (the guest keeps running here)"
+                )))
+            }
+        }
+    }
+}
+
+/// Dirty pages from the kernel's dirty log, one bitmap per memory slot.
+struct VmDirty {
+    vm: Arc<dyn Vm>,
+    regions: Vec<MemoryRegion>,
+}
+
+fn vm_error(context: &str, e: impl std::fmt::Display) -> migration::Error {
+    migration::Error::Io {
+        context: context.to_string(),
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+fn to_mig(e: hypervisor::HypervisorError) -> migration::Error {
+    vm_error("dirty log", e)
+}
+
+impl DirtySource for VmDirty {
+    fn start_tracking(&mut self) -> migration::Result<()> {
+        for r in &self.regions {
+            self.vm.set_dirty_logging(r, true).map_err(to_mig)?;
+        }
+        // Discard what was logged while the slots were switched over.
+        self.take_dirty().map(|_| ())
+    }
+
+    fn take_dirty(&mut self) -> migration::Result<Bitmap> {
+        let mut words = Vec::with_capacity(self.regions.len());
+        for r in &self.regions {
+            words.push(self.vm.dirty_log(r.slot, r.size).map_err(to_mig)?);
+        }
+        Ok(Bitmap::from_words(words))
+    }
+
+    fn stop_tracking(&mut self) {
+        for r in &self.regions {
+            if let Err(e) = self.vm.set_dirty_logging(r, false) {
+                log::warn!("dirty logging off for slot {}: {e}", r.slot);
+            }
+        }
+    }
+}
+
+struct VmPause<'a> {
+    core: &'a Core,
+    captured: Option<Vec<VcpuState>>,
+    paused: bool,
+}
+
+impl VmControl for VmPause<'_> {
+    fn pause(&mut self) -> migration::Result<()> {
+        let states = self
+            .core
+            .control
+            .pause_and_capture(self.core.msrs.clone(), PAUSE_TIMEOUT)
+            .map_err(|e| vm_error("pausing the vCPUs", e))?;
+        self.captured = Some(states);
+        self.paused = true;
+        Ok(())
+    }
+
+    fn resume(&mut self) -> migration::Result<()> {
+        self.core.control.resume();
+        self.paused = false;
+        Ok(())
+    }
+
+    fn save_state(&mut self) -> migration::Result<Vec<u8>> {
+        let vcpus = self
+            .captured
+            .take()
+            .ok_or_else(|| vm_error("saving state", "the vCPUs are not paused"))?;
+        self.core
+            .machine_state(vcpus)
+            .and_then(|s| s.to_bytes())
+            .map_err(|e| vm_error("saving state", e))
+    }
+
+    fn throttle(&mut self, percent: u8) {
+        self.core.control.set_throttle(percent);
+    }
+}
+
+/// `tcp:HOST:PORT` → `HOST:PORT`.
+pub fn parse_tcp(text: &str, option: &'static str) -> Result<String> {
+    let bad = |reason: &str| Error::Option {
+        option,
+        value: text.to_string(),
+        reason: reason.to_string(),
+    };
+    let rest = text
+        .strip_prefix("tcp:")
+        .ok_or_else(|| bad("expected tcp:HOST:PORT"))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| bad("expected tcp:HOST:PORT"))?;
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return Err(bad("expected tcp:HOST:PORT with a port number"));
+    }
+    Ok(rest.to_string())
+}
+
+fn connect(addr: &str) -> Result<TcpStream> {
+    let targets = addr
+        .to_socket_addrs()
+        .map_err(|e| Error::Migration(format!("destination {addr}: {e}")))?;
+    let mut last = None;
+    for target in targets {
+        match TcpStream::connect_timeout(&target, Duration::from_secs(10)) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(Error::Migration(format!(
+        "destination {addr}: {}",
+        last.map(|e| e.to_string())
+            .unwrap_or_else(|| "no address".into())
+    )))
+}
+
+/// Reads the machine configuration at the start of a snapshot file.
+pub fn peek_snapshot_config(path: &Path) -> Result<MigrationConfig> {
+    let file = File::open(path).map_err(|e| Error::File {
+        path: path.to_path_buf(),
+        reason: format!("cannot open snapshot: {e}"),
+    })?;
+    let mut reader = StreamReader::new(BufReader::new(file));
+    match reader.next_frame() {
+        Ok(migration::Frame::Config(config)) => Ok(config),
+        Ok(_) => Err(Error::File {
+            path: path.to_path_buf(),
+            reason: "not a ferrovm snapshot: it does not start with a configuration".into(),
+        }),
+        Err(e) => Err(Error::File {
+            path: path.to_path_buf(),
+            reason: format!("not a valid ferrovm snapshot: {e}"),
+        }),
+    }
+}
+
+/// Loads RAM and the machine state of a snapshot.
+pub fn load_snapshot(
+    path: &Path,
+    memory: &GuestMemory,
+    expected: &MigrationConfig,
+) -> Result<MachineState> {
+    let file = File::open(path).map_err(|e| Error::File {
+        path: path.to_path_buf(),
+        reason: format!("cannot open snapshot: {e}"),
+    })?;
+    let restored =
+        migration::restore_from(memory, BufReader::with_capacity(1 << 20, file), expected)
+            .map_err(|e| Error::File {
+                path: path.to_path_buf(),
+                reason: format!("bad snapshot: {e}"),
+            })?;
+    MachineState::from_bytes(&restored.state)
+}
+
+/// An incoming migration: the accepted connection's RAM is applied as it arrives; returns
+/// the machine state and the sender of the final acknowledgement.
+pub struct Incoming {
+    pub state: MachineState,
+    pub ack: migration::AckSender<TcpStream>,
+    pub figures: Value,
+}
+
+pub fn receive_migration(
+    listener: &TcpListener,
+    memory: &GuestMemory,
+    expected: &MigrationConfig,
+) -> Result<Incoming> {
+    let (stream, peer) = listener.accept()?;
+    log::info!("incoming migration from {peer}");
+    stream.set_read_timeout(Some(PEER_TIMEOUT))?;
+    stream.set_write_timeout(Some(PEER_TIMEOUT))?;
+    let reply = stream.try_clone()?;
+    let started = Instant::now();
+    let result = migration::receive(
+        memory,
+        BufReader::with_capacity(1 << 20, stream),
+        reply,
+        expected,
+    )
+    .map_err(|e| Error::Migration(format!("incoming migration from {peer}: {e}")))?;
+    let state = MachineState::from_bytes(&result.state)?;
+    Ok(Incoming {
+        state,
+        ack: result.ack,
+        figures: json!({"receive_ms": ms(started.elapsed())}),
+    })
+}
+
+/// Restores every vCPU (not yet running) from the saved states.
+pub fn restore_vcpus(vcpus: &[Box<dyn Vcpu>], states: &[VcpuState]) -> Result<()> {
+    if vcpus.len() != states.len() {
+        return Err(Error::State(format!(
+            "the state has {} vCPUs, this machine {}",
+            states.len(),
+            vcpus.len()
+        )));
+    }
+    for (vcpu, state) in vcpus.iter().zip(states) {
+        restore_vcpu_state(vcpu.as_ref(), state)
+            .map_err(|e| Error::State(format!("vCPU {}: {e}", vcpu.id())))?;
+    }
+    Ok(())
+}
