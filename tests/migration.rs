@@ -1,0 +1,483 @@
+//! Snapshot/restore and live migration with guests that check their own memory, and failure
+//! injection: whatever goes wrong, the source guest keeps running intact.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+static NEXT_PORT: AtomicU16 = AtomicU16::new(0);
+
+fn free_port() -> u16 {
+    let base = 20000 + (std::process::id() % 20000) as u16;
+    base + NEXT_PORT.fetch_add(1, Ordering::SeqCst)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrovm-mig-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A ferrovm process whose serial output goes to a file we can watch.
+struct Vm {
+    child: Child,
+    serial: PathBuf,
+    socket: Option<PathBuf>,
+}
+
+impl Vm {
+    fn start(args: &[&str], dir: &Path, name: &str, with_socket: bool) -> Vm {
+        Vm::start_in(None, args, dir, name, with_socket)
+    }
+
+    fn start_in(netns: Option<&str>, args: &[&str], dir: &Path, name: &str, sock: bool) -> Vm {
+        require_kvm();
+        let serial = dir.join(format!("{name}.serial"));
+        let socket = dir.join(format!("{name}.sock"));
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, FERROVM]);
+                c
+            }
+            None => Command::new(FERROVM),
+        };
+        cmd.arg("run").args(args);
+        cmd.arg("--serial")
+            .arg(format!("file:{}", serial.display()));
+        if sock {
+            cmd.arg("--api-socket").arg(&socket);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start ferrovm");
+        let vm = Vm {
+            child,
+            serial,
+            socket: sock.then_some(socket),
+        };
+        if let Some(s) = &vm.socket {
+            wait_until(Duration::from_secs(20), || s.exists(), "API socket");
+        }
+        vm
+    }
+
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+
+    fn ctl(&self, args: &[&str]) -> Run {
+        let s = self.socket.as_ref().unwrap().to_str().unwrap().to_string();
+        let mut all = vec!["ctl", "--api-socket", &s];
+        all.extend_from_slice(args);
+        ferrovm(&all, Duration::from_secs(300))
+    }
+
+    fn wait(&mut self, limit: Duration) -> (Option<i32>, String) {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                let mut err = String::new();
+                if let Some(mut e) = self.child.stderr.take() {
+                    let _ = e.read_to_string(&mut err);
+                }
+                return (status.code(), err);
+            }
+            if start.elapsed() > limit {
+                let _ = self.child.kill();
+                panic!(
+                    "VM did not exit within {limit:?}; serial:\n{}",
+                    self.output()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_until(limit: Duration, mut ok: impl FnMut() -> bool, what: &str) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The highest `pass N` a migrate-dirty guest has reported.
+fn last_pass(serial: &str) -> u64 {
+    serial
+        .lines()
+        .filter_map(|l| l.strip_prefix("migrate-dirty: pass "))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+fn assert_intact(serial: &str) {
+    assert!(
+        !serial.contains("FAIL"),
+        "guest reported a failure:\n{serial}"
+    );
+}
+
+fn dirty_guest(mib: u32) -> String {
+    format!("mib={mib}")
+}
+
+/// Starts a dirtying guest and waits for it to report progress.
+fn start_dirty_source(dir: &Path, extra: &[&str], mib: u32) -> Vm {
+    let kernel = guest("migrate-dirty");
+    let cmdline = dirty_guest(mib);
+    let mut args = vec!["--kernel", kernel.to_str().unwrap(), "--cmdline", &cmdline];
+    args.extend_from_slice(extra);
+    let vm = Vm::start(&args, dir, "source", true);
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&vm.output()) >= 2,
+        "the source guest's progress",
+    );
+    vm
+}
+
+#[test]
+fn snapshot_and_restore_continue_where_the_guest_was() {
+    let dir = scratch("snapshot");
+    let mut source = start_dirty_source(&dir, &["--memory", "256M", "--cpus", "2"], 32);
+    let snap = dir.join("vm.snap");
+    let run = source.ctl(&["--json", "snapshot", snap.to_str().unwrap()]);
+    run.expect_status(0);
+    let at_snapshot = last_pass(&source.output());
+    assert!(source.running(), "the source runs on after a snapshot");
+    source.ctl(&["shutdown"]).expect_status(0);
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    assert_intact(&source.output());
+
+    let restored = Vm::start(
+        &["--restore", snap.to_str().unwrap()],
+        &dir,
+        "restored",
+        true,
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&restored.output()) >= 2,
+        "the restored guest's progress",
+    );
+    let out = restored.output();
+    assert_intact(&out);
+    // The restored guest picks up from the snapshot's pass, it does not boot again.
+    assert!(
+        !out.contains("region"),
+        "the restored guest booted afresh:\n{out}"
+    );
+    let first = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("migrate-dirty: pass "))
+        .filter_map(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+        .next()
+        .unwrap();
+    assert!(
+        first + 1 >= at_snapshot,
+        "restored at pass {first}, snapshot taken around pass {at_snapshot}"
+    );
+    restored.ctl(&["shutdown"]).expect_status(0);
+}
+
+fn migrate_on_loopback(cpus: &str, irqchip: &str) {
+    let dir = scratch(&format!("loop-{cpus}-{irqchip}"));
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let shape = ["--memory", "256M", "--cpus", cpus, "--irqchip", irqchip];
+    let mut dest_args = vec!["--incoming", &listen];
+    dest_args.extend_from_slice(&shape);
+    let dest = Vm::start(&dest_args, &dir, "dest", true);
+    let mut source = start_dirty_source(&dir, &shape, 32);
+    let before = last_pass(&source.output());
+    let run = source.ctl(&["--json", "migrate", &listen]);
+    run.expect_status(0);
+    let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    let report = &reply["report"];
+    assert!(report["rounds"].as_array().unwrap().len() >= 2, "{report}");
+    assert!(report["downtime_ms"].as_f64().unwrap() > 0.0);
+    eprintln!(
+        "migration {cpus} vCPU {irqchip}: total {} ms, downtime {} ms, {} bytes",
+        report["total_ms"], report["downtime_ms"], report["bytes_total"]
+    );
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(
+        status,
+        Some(0),
+        "the source exits 0 once the destination runs"
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > before,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+}
+
+#[test]
+fn live_migration_loopback_1_vcpu_kernel_irqchip() {
+    migrate_on_loopback("1", "kernel");
+}
+
+#[test]
+fn live_migration_loopback_2_vcpus_kernel_irqchip() {
+    migrate_on_loopback("2", "kernel");
+}
+
+#[test]
+fn live_migration_loopback_1_vcpu_split_irqchip() {
+    migrate_on_loopback("1", "split");
+}
+
+#[test]
+fn live_migration_loopback_2_vcpus_split_irqchip() {
+    migrate_on_loopback("2", "split");
+}
+
+/// A TCP relay between source and destination that misbehaves on purpose.
+enum Fault {
+    /// Close both directions after this many bytes from the source.
+    CutAfter(u64),
+    /// Flip one bit of the byte at this offset of the source's stream.
+    FlipByteAt(u64),
+}
+
+fn relay(fault: Fault, to: u16) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let (mut src, _) = listener.accept().unwrap();
+        let mut dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
+        let (mut src_r, mut dst_w) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
+        // Replies flow back untouched.
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut dst, &mut src);
+        });
+        let mut offset = 0u64;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match src_r.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let chunk = &mut buf[..n];
+            match fault {
+                Fault::CutAfter(limit) if offset + n as u64 >= limit => {
+                    let keep = (limit - offset) as usize;
+                    let _ = dst_w.write_all(&chunk[..keep]);
+                    let _ = dst_w.shutdown(Shutdown::Both);
+                    let _ = src_r.shutdown(Shutdown::Both);
+                    return;
+                }
+                Fault::FlipByteAt(at) if at >= offset && at < offset + n as u64 => {
+                    chunk[(at - offset) as usize] ^= 0x10;
+                }
+                _ => {}
+            }
+            offset += n as u64;
+            if dst_w.write_all(chunk).is_err() {
+                break;
+            }
+        }
+        let _ = dst_w.shutdown(Shutdown::Write);
+    });
+    port
+}
+
+/// Runs a migration that must fail, then checks that the source guest still runs intact.
+fn failed_migration_leaves_source_running(
+    name: &str,
+    dest_memory: &str,
+    fault: Option<Fault>,
+    kill_dest_after: Option<Duration>,
+) {
+    let dir = scratch(name);
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--memory", dest_memory],
+        &dir,
+        "dest",
+        false,
+    );
+    let mut source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    let target = match fault {
+        Some(f) => format!("tcp:127.0.0.1:{}", relay(f, port)),
+        None => listen.clone(),
+    };
+    let killer = kill_dest_after.map(|after| {
+        let pid = dest.child.id() as i32;
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            // SAFETY: pid is the destination child, still owned (not reaped) by `dest`.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        })
+    });
+    // A low bandwidth keeps the migration in flight long enough for the faults.
+    let run = source.ctl(&["migrate", &target, "--max-bandwidth", "20000000"]);
+    if let Some(k) = killer {
+        k.join().unwrap();
+    }
+    assert_eq!(
+        run.status,
+        Some(2),
+        "the migration must fail:\n{}",
+        run.stdout
+    );
+    assert!(
+        run.stderr.contains("keeps running"),
+        "the error says the guest runs on: {}",
+        run.stderr
+    );
+    assert!(source.running(), "the source VMM must still run");
+    let status = source.ctl(&["--json", "status"]);
+    assert!(
+        status.stdout.contains("\"state\":\"running\""),
+        "{}",
+        status.stdout
+    );
+    let after_failure = last_pass(&source.output());
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&source.output()) >= after_failure + 2,
+        "the source guest to make progress after the failed migration",
+    );
+    assert_intact(&source.output());
+    source.ctl(&["shutdown"]).expect_status(0);
+    drop(dest);
+}
+
+#[test]
+fn destination_with_other_memory_size_is_refused() {
+    failed_migration_leaves_source_running("memsize", "512M", None, None);
+}
+
+#[test]
+fn destination_killed_mid_round() {
+    failed_migration_leaves_source_running(
+        "killed",
+        "256M",
+        None,
+        Some(Duration::from_millis(400)),
+    );
+}
+
+#[test]
+fn connection_cut_mid_stream() {
+    failed_migration_leaves_source_running("cut", "256M", Some(Fault::CutAfter(3 << 20)), None);
+}
+
+/// A flipped byte in the stream's framing (here inside the configuration frame) fails the
+/// migration. (A flipped byte inside page data sent while the guest runs is caught by that
+/// page's CRC and the page is sent again, as a page torn by a vCPU write would be: the
+/// migration then succeeds.)
+#[test]
+fn one_corrupted_byte_is_detected() {
+    failed_migration_leaves_source_running("corrupt", "256M", Some(Fault::FlipByteAt(40)), None);
+}
+
+#[test]
+fn corrupt_snapshot_is_refused_with_one_line() {
+    let dir = scratch("badsnap");
+    let junk = dir.join("junk.snap");
+    std::fs::write(&junk, b"not a snapshot at all").unwrap();
+    let run = ferrovm(
+        &["run", "--restore", junk.to_str().unwrap()],
+        Duration::from_secs(30),
+    );
+    run.expect_error("junk.snap");
+    let missing = dir.join("missing.snap");
+    ferrovm(
+        &["run", "--restore", missing.to_str().unwrap()],
+        Duration::from_secs(30),
+    )
+    .expect_error("missing.snap");
+}
+
+/// Two hosts: network namespaces joined by a veth pair.
+#[test]
+fn live_migration_between_two_network_namespaces() {
+    require_kvm();
+    let tag = format!("fv{}", std::process::id() % 100000);
+    let (ns_a, ns_b) = (format!("{tag}a"), format!("{tag}b"));
+    let sh = |cmd: &str| {
+        let status = Command::new("sh").arg("-c").arg(cmd).status().unwrap();
+        assert!(status.success(), "{cmd}");
+    };
+    let cleanup = format!("ip netns del {ns_a} 2>/dev/null; ip netns del {ns_b} 2>/dev/null; true");
+    sh(&cleanup);
+    sh(&format!("ip netns add {ns_a} && ip netns add {ns_b}"));
+    sh(&format!(
+        "ip link add {tag}x netns {ns_a} type veth peer name {tag}y netns {ns_b}"
+    ));
+    sh(&format!("ip -n {ns_a} addr add 10.213.0.1/30 dev {tag}x && ip -n {ns_a} link set {tag}x up && ip -n {ns_a} link set lo up"));
+    sh(&format!("ip -n {ns_b} addr add 10.213.0.2/30 dev {tag}y && ip -n {ns_b} link set {tag}y up && ip -n {ns_b} link set lo up"));
+
+    let dir = scratch("netns");
+    let kernel = guest("migrate-dirty");
+    let dest = Vm::start_in(
+        Some(&ns_b),
+        &["--incoming", "tcp:10.213.0.2:7400", "--memory", "256M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let mut source = Vm::start_in(
+        Some(&ns_a),
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "mib=32",
+            "--memory",
+            "256M",
+        ],
+        &dir,
+        "source",
+        true,
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&source.output()) >= 2,
+        "source progress",
+    );
+    let before = last_pass(&source.output());
+    let run = source.ctl(&["migrate", "tcp:10.213.0.2:7400"]);
+    run.expect_status(0).expect_stdout("downtime");
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > before,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+    sh(&cleanup);
+}
