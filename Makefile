@@ -1,3 +1,5 @@
+SHELL := /bin/bash
+
 # ferrovm: build, demo, tests, benchmarks.
 #   make run    builds everything and boots the bundled demo guest
 #   make test   runs the whole suite (format, lint, unit and guest-booting tests)
@@ -39,7 +41,11 @@ clippy: deps
 
 test: deps guests check-kvm fmt-check clippy
 	$(CARGO) build --workspace
-	FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) $(CARGO) test --workspace
+	@set -o pipefail; \
+	FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) $(CARGO) test --workspace --all-targets 2>&1 \
+		| tee target/test.log; status=$$?; \
+	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
+	exit $$status
 
 clean:
 	$(CARGO) clean
