@@ -120,6 +120,10 @@ pub trait Vm: Send + Sync {
     /// of `slot` and write-protects them again. `first_page` must be a multiple of 64, and
     /// so must `num_pages` unless the range ends at the end of the slot.
     fn clear_dirty_log(&self, slot: u32, first_page: u64, num_pages: u64) -> Result<()>;
+    /// Manual protect: clears exactly the pages whose bits are set in `bitmap` (one bit per
+    /// page of the whole slot, as `dirty_log` returns it), so pages dirtied since that
+    /// `dirty_log` call stay dirty.
+    fn clear_dirty_pages(&self, slot: u32, bitmap: &[u64]) -> Result<()>;
 
     fn clock(&self) -> Result<ClockData>;
     fn set_clock(&self, clock: &ClockData) -> Result<()>;

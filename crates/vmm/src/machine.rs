@@ -217,6 +217,7 @@ impl Machine {
             msrs: hv.msr_index_list()?,
             kernel_irqchip: config.irqchip == IrqChipKind::Kernel,
             exit: context.exit.clone(),
+            manual_protect: Default::default(),
         });
         let api = match &config.api_socket {
             Some(path) => {

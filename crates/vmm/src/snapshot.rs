@@ -41,6 +41,8 @@ pub struct Core {
     pub msrs: Vec<u32>,
     pub kernel_irqchip: bool,
     pub exit: Arc<devices::exit::ExitRequest>,
+    /// Whether the kernel's manual dirty-log protect is on (decided at the first migration).
+    pub manual_protect: std::sync::OnceLock<bool>,
 }
 
 /// The migration config of a machine: what the destination must match.
@@ -175,6 +177,7 @@ impl MachineOps for Core {
         let mut dirty = VmDirty {
             vm: self.vm.clone(),
             regions: self.regions.clone(),
+            manual_protect: &self.manual_protect,
         };
         let mut control = VmPause {
             core: self,
@@ -212,9 +215,14 @@ impl MachineOps for Core {
 }
 
 /// Dirty pages from the kernel's dirty log, one bitmap per memory slot.
-struct VmDirty {
+///
+/// With manual protect (where the kernel has it), reading the log does not re-protect the
+/// slot; the pages just read are cleared (re-protected) one call later, exactly those bits, so
+/// a page written in between stays dirty for the next round.
+struct VmDirty<'a> {
     vm: Arc<dyn Vm>,
     regions: Vec<MemoryRegion>,
+    manual_protect: &'a std::sync::OnceLock<bool>,
 }
 
 fn vm_error(context: &str, e: impl std::fmt::Display) -> migration::Error {
@@ -228,8 +236,17 @@ fn to_mig(e: hypervisor::HypervisorError) -> migration::Error {
     vm_error("dirty log", e)
 }
 
-impl DirtySource for VmDirty {
+impl DirtySource for VmDirty<'_> {
     fn start_tracking(&mut self) -> migration::Result<()> {
+        // Must precede enabling dirty logging on the slots.
+        let vm = &self.vm;
+        let manual = *self.manual_protect.get_or_init(|| {
+            vm.enable_manual_dirty_protect().unwrap_or_else(|e| {
+                log::warn!("manual dirty-log protect unavailable: {e}");
+                false
+            })
+        });
+        log::info!("dirty logging, manual protect: {manual}");
         for r in &self.regions {
             self.vm.set_dirty_logging(r, true).map_err(to_mig)?;
         }
@@ -239,8 +256,13 @@ impl DirtySource for VmDirty {
 
     fn take_dirty(&mut self) -> migration::Result<Bitmap> {
         let mut words = Vec::with_capacity(self.regions.len());
+        let manual = self.manual_protect.get().copied().unwrap_or(false);
         for r in &self.regions {
-            words.push(self.vm.dirty_log(r.slot, r.size).map_err(to_mig)?);
+            let bits = self.vm.dirty_log(r.slot, r.size).map_err(to_mig)?;
+            if manual {
+                self.vm.clear_dirty_pages(r.slot, &bits).map_err(to_mig)?;
+            }
+            words.push(bits);
         }
         Ok(Bitmap::from_words(words))
     }

@@ -200,6 +200,37 @@ pub struct KvmVm {
 }
 
 impl KvmVm {
+    /// KVM_CLEAR_DIRTY_LOG: clears (and write-protects again) the pages whose bits are set in
+    /// `bitmap`, which covers `num_pages` pages from `first_page`.
+    fn clear_dirty_bits(
+        &self,
+        slot: u32,
+        first_page: u64,
+        num_pages: u32,
+        bitmap: &mut [u64],
+    ) -> Result<()> {
+        if bitmap.len() < (num_pages as usize).div_ceil(64) {
+            return Err(HypervisorError::Invalid("dirty bitmap too short".into()));
+        }
+        let arg = KvmClearDirtyLog {
+            slot,
+            num_pages,
+            first_page,
+            dirty_bitmap: bitmap.as_mut_ptr(),
+        };
+        // SAFETY: the kernel reads `arg` and `num_pages` rounded up to 64 bits from `bitmap`,
+        // which holds at least that many (checked above) and outlives the call.
+        let rc =
+            unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_CLEAR_DIRTY_LOG(), &arg) };
+        if rc < 0 {
+            return Err(HypervisorError::ioctl(
+                "KVM_CLEAR_DIRTY_LOG",
+                vmm_sys_util::errno::Error::last(),
+            ));
+        }
+        Ok(())
+    }
+
     fn slots(&self) -> MutexGuard<'_, HashMap<u32, kvm_userspace_memory_region>> {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -464,23 +495,27 @@ impl Vm for KvmVm {
                 *last = (1u64 << tail) - 1;
             }
         }
-        let arg = KvmClearDirtyLog {
-            slot,
-            num_pages: count,
-            first_page,
-            dirty_bitmap: bitmap.as_mut_ptr(),
-        };
-        // SAFETY: the kernel reads `arg` and `num_pages` rounded up to 64 bits from
-        // `bitmap`, which holds exactly that many and outlives the call; the fd is a VM's.
-        let rc =
-            unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_CLEAR_DIRTY_LOG(), &arg) };
-        if rc < 0 {
-            return Err(HypervisorError::ioctl(
-                "KVM_CLEAR_DIRTY_LOG",
-                vmm_sys_util::errno::Error::last(),
-            ));
+        self.clear_dirty_bits(slot, first_page, count, &mut bitmap)
+    }
+
+    fn clear_dirty_pages(&self, slot: u32, bitmap: &[u64]) -> Result<()> {
+        let slot_pages = self
+            .slots()
+            .get(&slot)
+            .map(|r| r.memory_size.div_ceil(DIRTY_PAGE_SIZE))
+            .ok_or_else(|| HypervisorError::Invalid(format!("memory slot {slot} is not mapped")))?;
+        let words = usize::try_from(slot_pages.div_ceil(64))
+            .map_err(|_| HypervisorError::Invalid(format!("{slot_pages} pages")))?;
+        if bitmap.len() != words {
+            return Err(HypervisorError::Invalid(format!(
+                "dirty bitmap of {} words for slot {slot} of {slot_pages} pages",
+                bitmap.len()
+            )));
         }
-        Ok(())
+        let count = u32::try_from(slot_pages)
+            .map_err(|_| HypervisorError::Invalid(format!("{slot_pages} pages")))?;
+        let mut bitmap = bitmap.to_vec();
+        self.clear_dirty_bits(slot, 0, count, &mut bitmap)
     }
 
     fn irqchip_state(&self) -> Result<IrqChipState> {
