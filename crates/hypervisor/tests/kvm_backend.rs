@@ -1,21 +1,15 @@
 //! The KVM backend against the real /dev/kvm: tiny hand-assembled guests, one exit each.
 
-use hypervisor::{
-    open_accelerator, AccelKind, MemoryRegion, SegmentRegister, SpecialRegisters,
-    StandardRegisters, Vcpu, VcpuExit, Vm,
-};
+mod common;
+
+use common::{region_of, require_kvm, start_flat_32};
+
+use hypervisor::{open_accelerator, AccelKind, StandardRegisters, Vcpu, VcpuExit, Vm};
 use std::sync::Arc;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 const MEM_SIZE: usize = 1 << 21;
 const CODE: u64 = 0x1000;
-
-fn require_kvm() {
-    assert!(
-        std::path::Path::new("/dev/kvm").exists(),
-        "/dev/kvm is missing: these tests need the KVM accelerator"
-    );
-}
 
 /// A VM with 2 MiB of RAM holding `code` at 0x1000, and one vCPU in flat 32-bit protected
 /// mode about to execute it.
@@ -24,39 +18,11 @@ fn vm_running(code: &[u8]) -> (Arc<dyn Vm>, Box<dyn Vcpu>, GuestMemoryMmap) {
     let hv = open_accelerator(AccelKind::Kvm).expect("open kvm");
     let vm = hv.create_vm().expect("create vm");
     let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
-    let region = mem.iter().next().unwrap();
     // SAFETY: `mem` is returned to the caller and outlives every use of the VM in the test.
-    unsafe {
-        vm.map_memory(&MemoryRegion {
-            slot: 0,
-            guest_addr: 0,
-            size: MEM_SIZE as u64,
-            host_addr: region.as_ptr() as u64,
-            readonly: false,
-            log_dirty: false,
-        })
-    }
-    .expect("map memory");
+    unsafe { vm.map_memory(&region_of(&mem)) }.expect("map memory");
     mem.write_slice(code, GuestAddress(CODE)).unwrap();
     let vcpu = vm.create_vcpu(0).expect("create vcpu");
-    let mut sregs: SpecialRegisters = vcpu.sregs().unwrap();
-    let code_seg = SegmentRegister::from_descriptor(0x10, 0, 0xfffff, 0x9b, 0xc);
-    let data_seg = SegmentRegister::from_descriptor(0x18, 0, 0xfffff, 0x93, 0xc);
-    sregs.cs = code_seg;
-    sregs.ds = data_seg;
-    sregs.es = data_seg;
-    sregs.ss = data_seg;
-    sregs.fs = data_seg;
-    sregs.gs = data_seg;
-    sregs.cr0 = 0x11; // PE | ET
-    vcpu.set_sregs(&sregs).unwrap();
-    vcpu.set_regs(&StandardRegisters {
-        rip: CODE,
-        rflags: 2,
-        rsp: 0x8000,
-        ..Default::default()
-    })
-    .unwrap();
+    start_flat_32(vcpu.as_ref(), CODE);
     (vm, vcpu, mem)
 }
 

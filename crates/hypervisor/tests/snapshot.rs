@@ -1,13 +1,17 @@
 //! State capture and restore against the real /dev/kvm: a guest stopped on one VM resumes on
 //! a new one; the in-kernel irqchip travels; dirty logging in both protocols.
 
+mod common;
+
 use std::sync::Arc;
+
+use common::{region_of, require_kvm, start_flat_32};
 
 use hypervisor::{
     open_accelerator, restore_vcpu_state, save_vcpu_state, AccelKind, Hypervisor, IrqChipMode,
-    IrqChipState, MemoryRegion, SegmentRegister, StandardRegisters, Vcpu, VcpuExit, VcpuState, Vm,
+    IrqChipState, Vcpu, VcpuExit, VcpuState, Vm,
 };
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 const MEM_SIZE: usize = 1 << 21;
 const CODE: u64 = 0x1000;
@@ -34,23 +38,8 @@ const COUNTING_GUEST: &[u8] = &[
 ];
 
 fn accelerator() -> Box<dyn Hypervisor> {
-    assert!(
-        std::path::Path::new("/dev/kvm").exists(),
-        "/dev/kvm is missing: these tests need the KVM accelerator"
-    );
+    require_kvm();
     open_accelerator(AccelKind::Kvm).expect("open kvm")
-}
-
-fn region_of(mem: &GuestMemoryMmap) -> MemoryRegion {
-    let r = mem.iter().next().unwrap();
-    MemoryRegion {
-        slot: 0,
-        guest_addr: 0,
-        size: MEM_SIZE as u64,
-        host_addr: r.as_ptr() as u64,
-        readonly: false,
-        log_dirty: false,
-    }
 }
 
 /// A VM with `mode`'s interrupt controllers and 2 MiB of RAM (a copy of `ram` if given), and
@@ -76,24 +65,7 @@ fn new_machine(
 
 /// Puts the vCPU in flat 32-bit protected mode at the code.
 fn start_at_code(vcpu: &dyn Vcpu) {
-    let mut sregs = vcpu.sregs().unwrap();
-    let code_seg = SegmentRegister::from_descriptor(0x10, 0, 0xfffff, 0x9b, 0xc);
-    let data_seg = SegmentRegister::from_descriptor(0x18, 0, 0xfffff, 0x93, 0xc);
-    sregs.cs = code_seg;
-    sregs.ds = data_seg;
-    sregs.es = data_seg;
-    sregs.ss = data_seg;
-    sregs.fs = data_seg;
-    sregs.gs = data_seg;
-    sregs.cr0 = 0x11; // PE | ET
-    vcpu.set_sregs(&sregs).unwrap();
-    vcpu.set_regs(&StandardRegisters {
-        rip: CODE,
-        rflags: 2,
-        rsp: 0x8000,
-        ..Default::default()
-    })
-    .unwrap();
+    start_flat_32(vcpu, CODE);
 }
 
 /// Runs until the guest's next OUT to the counter port and returns the value written; the
