@@ -79,9 +79,8 @@ struct Machine {
 }
 
 fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
-    let path = &path.to_path_buf();
     let file_error = |reason: String| Error::File {
-        path: path.clone(),
+        path: path.to_path_buf(),
         reason,
     };
     let meta = std::fs::metadata(path).map_err(|e| file_error(format!("cannot open: {e}")))?;
