@@ -28,11 +28,24 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(status) => ExitCode::from(status),
         Err(err) => {
-            // One line: the chain of causes joined, so the user sees what to fix.
-            eprintln!("ferrovm: {err:#}");
+            eprintln!("ferrovm: {}", one_line(&err));
             ExitCode::from(STATUS_ERROR)
         }
     }
+}
+
+/// The error and its causes on one line, each cause once: many errors already print their
+/// source in their own message.
+fn one_line(err: &anyhow::Error) -> String {
+    let mut line = err.to_string();
+    for cause in err.chain().skip(1) {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line.replace('\n', " ")
 }
 
 fn run(cli: Cli) -> anyhow::Result<u8> {

@@ -6,7 +6,7 @@ use std::io;
 pub enum HypervisorError {
     #[error("{path} is not available: {source}")]
     DeviceUnavailable { path: String, source: io::Error },
-    #[error("the {0} accelerator is not supported on this host")]
+    #[error("{0}")]
     Unsupported(String),
     #[error("{op} failed: {source}")]
     Ioctl { op: &'static str, source: io::Error },

@@ -66,17 +66,31 @@ pub trait Hypervisor: Send + Sync {
 }
 
 /// Opens the accelerator the user asked for.
+///
+/// `Auto` takes KVM on Linux and bhyve elsewhere. On Linux, `Bhyve` fails with a message
+/// that names /dev/vmm (the bhyve backend drives FreeBSD's vmm.ko only).
 pub fn open_accelerator(kind: AccelKind) -> Result<Box<dyn Hypervisor>> {
     match kind {
+        #[cfg(target_os = "linux")]
         AccelKind::Kvm => Ok(Box::new(crate::kvm::KvmHypervisor::new()?)),
+        #[cfg(not(target_os = "linux"))]
+        AccelKind::Kvm => Err(HypervisorError::Unsupported(
+            "the kvm accelerator is not available: /dev/kvm exists on Linux only".into(),
+        )),
+        #[cfg(target_os = "linux")]
         AccelKind::Auto => match crate::kvm::KvmHypervisor::new() {
             Ok(kvm) => Ok(Box::new(kvm)),
             Err(err) => Err(HypervisorError::Unsupported(format!(
                 "no accelerator found (kvm: {err}; bhyve: /dev/vmm is absent)"
             ))),
         },
-        AccelKind::Bhyve => Err(HypervisorError::Unsupported(
-            "bhyve (/dev/vmm is absent; the bhyve backend runs on FreeBSD only)".into(),
-        )),
+        #[cfg(not(target_os = "linux"))]
+        AccelKind::Auto => match crate::bhyve::BhyveHypervisor::new() {
+            Ok(bhyve) => Ok(Box::new(bhyve)),
+            Err(err) => Err(HypervisorError::Unsupported(format!(
+                "no accelerator found (bhyve: {err})"
+            ))),
+        },
+        AccelKind::Bhyve => Ok(Box::new(crate::bhyve::BhyveHypervisor::new()?)),
     }
 }

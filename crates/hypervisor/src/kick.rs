@@ -8,8 +8,6 @@ use std::cell::Cell;
 use std::ptr;
 use std::sync::Once;
 
-use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
-
 use crate::{HypervisorError, Result};
 
 thread_local! {
@@ -17,8 +15,40 @@ thread_local! {
     static IMMEDIATE_EXIT: Cell<*mut u8> = const { Cell::new(ptr::null_mut()) };
 }
 
+#[cfg(target_os = "linux")]
 fn kick_signal() -> i32 {
-    SIGRTMIN()
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+/// FreeBSD's first real-time signal (`SIGRTMIN` in sys/signal.h); libc does not name it.
+#[cfg(not(target_os = "linux"))]
+fn kick_signal() -> i32 {
+    65
+}
+
+type KickHandler = extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void);
+
+#[cfg(target_os = "linux")]
+fn register_signal_handler(signum: i32, handler: KickHandler) -> std::io::Result<()> {
+    vmm_sys_util::signal::register_signal_handler(signum, handler)
+        .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+}
+
+/// vmm-sys-util's signal helpers are Linux-only; elsewhere install the handler directly.
+#[cfg(not(target_os = "linux"))]
+fn register_signal_handler(signum: i32, handler: KickHandler) -> std::io::Result<()> {
+    // SAFETY: an all-zero sigaction is a valid value to fill in; the handler only does an
+    // async-signal-safe volatile store.
+    unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = handler as usize;
+        act.sa_flags = libc::SA_SIGINFO;
+        libc::sigemptyset(&mut act.sa_mask);
+        if libc::sigaction(signum, &act, std::ptr::null_mut()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
@@ -42,10 +72,10 @@ pub(crate) unsafe fn bind_current_thread(immediate_exit: *mut u8) -> Result<Vcpu
     static INSTALL: Once = Once::new();
     let mut installed = Ok(());
     INSTALL.call_once(|| {
-        installed = register_signal_handler(kick_signal(), handle_kick).map_err(|e| {
+        installed = register_signal_handler(kick_signal(), handle_kick).map_err(|source| {
             HypervisorError::Ioctl {
                 op: "installing the vCPU kick signal handler",
-                source: std::io::Error::from_raw_os_error(e.errno()),
+                source,
             }
         });
     });

@@ -2,17 +2,19 @@
 //!
 //! Three traits, one per kernel object: [`Hypervisor`] (the accelerator and what it offers),
 //! [`Vm`] (memory, interrupt controllers, injection, dirty log, clock) and [`Vcpu`] (run,
-//! state). Backends live in their own modules (`kvm` today); nothing above this crate names
-//! a KVM or bhyve type, so a second kernel slots in behind the same traits.
+//! state). Backends live in their own modules (`kvm` on Linux, `bhyve` for FreeBSD's vmm.ko);
+//! nothing above this crate names a KVM or bhyve type.
 //!
 //! For snapshots and migration, [`state`] bundles a vCPU's state ([`VcpuState`]) and saves
 //! and restores it in the order the kernel needs; the VM-level pieces are the in-kernel
 //! irqchip ([`IrqChipState`]), the clock and the dirty log (see [`Vm`]).
 
 pub mod arch;
+pub mod bhyve;
 mod error;
 mod hypervisor;
 pub mod kick;
+#[cfg(target_os = "linux")]
 pub mod kvm;
 pub mod state;
 mod vcpu;

@@ -439,7 +439,10 @@ fn build_buses(
     let com1_irq = Arc::new(IrqPin::new(irqchip.clone(), devices::serial::COM1_IRQ));
     let serial = SerialDevice::new(&sink, com1_irq).map_err(|e| Error::Option {
         option: "--serial",
-        value: format!("{:?}", config.serial),
+        value: match &config.serial {
+            SerialOutput::File(path) => format!("file:{}", path.display()),
+            other => format!("{other:?}").to_lowercase(),
+        },
         reason: e.to_string(),
     })?;
     let serial = serial.register_com1(&mut pio).map_err(devices_err)?;
