@@ -481,3 +481,39 @@ fn live_migration_between_two_network_namespaces() {
     dest.ctl(&["shutdown"]).expect_status(0);
     sh(&cleanup);
 }
+
+/// Warm migration (what an accelerator without dirty tracking, such as upstream bhyve, can
+/// do): the guest is paused from the first page to the hand-over, and continues intact.
+#[test]
+fn warm_migration_pauses_copies_and_resumes_on_the_destination() {
+    let dir = scratch("warm");
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--memory", "256M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let mut source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    let before = last_pass(&source.output());
+    let run = source.ctl(&["--json", "migrate", "--warm", &listen]);
+    run.expect_status(0);
+    let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    let report = &reply["report"];
+    // Nothing is re-sent: everything went while the guest was paused.
+    let resent: u64 = report["rounds"].as_array().unwrap()[1..]
+        .iter()
+        .map(|r| r["pages_sent"].as_u64().unwrap())
+        .sum();
+    assert_eq!(resent, 0, "{report}");
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > before,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+}

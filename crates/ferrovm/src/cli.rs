@@ -168,6 +168,9 @@ pub enum CtlRequest {
         max_time_s: Option<u64>,
         #[arg(long)]
         auto_converge: bool,
+        /// Pause the guest first and copy everything (for accelerators without dirty tracking).
+        #[arg(long)]
+        warm: bool,
     },
 }
 

@@ -27,6 +27,7 @@ pub fn run(args: &CtlArgs) -> anyhow::Result<u8> {
             max_rounds,
             max_time_s,
             auto_converge,
+            warm,
         } => json!({
             "op": "migrate",
             "destination": destination,
@@ -35,6 +36,7 @@ pub fn run(args: &CtlArgs) -> anyhow::Result<u8> {
             "max_rounds": max_rounds,
             "max_time_s": max_time_s,
             "auto_converge": auto_converge,
+            "warm": warm,
         }),
     };
     let socket = &args.api_socket;

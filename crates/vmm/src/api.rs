@@ -42,6 +42,9 @@ pub struct MigrateRequest {
     pub max_time_s: Option<u64>,
     #[serde(default)]
     pub auto_converge: bool,
+    /// Pause first, copy everything, resume on the destination (no dirty tracking needed).
+    #[serde(default)]
+    pub warm: bool,
 }
 
 #[derive(Debug, Deserialize)]

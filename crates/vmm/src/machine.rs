@@ -217,6 +217,7 @@ impl Machine {
             kernel_irqchip: config.irqchip == IrqChipKind::Kernel,
             exit: context.exit.clone(),
             manual_protect: Default::default(),
+            dirty_tracking: caps.dirty_log_bitmap,
         });
         let api = match &config.api_socket {
             Some(path) => {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use hypervisor::{restore_vcpu_state, MemoryRegion, Vcpu, VcpuState, Vm};
 use migration::{
     Bitmap, DirtySource, MigrationConfig, MigrationParams, MigrationReport, Progress, RamRange,
-    StreamReader, VmControl,
+    StreamReader, VmControl, PAGE_SIZE,
 };
 use serde_json::{json, Value};
 
@@ -43,6 +43,9 @@ pub struct Core {
     pub exit: Arc<devices::exit::ExitRequest>,
     /// Whether the kernel's manual dirty-log protect is on (decided at the first migration).
     pub manual_protect: std::sync::OnceLock<bool>,
+    /// Whether the accelerator tracks dirty pages (upstream bhyve does not): without it only
+    /// warm migration is possible.
+    pub dirty_tracking: bool,
 }
 
 /// The migration config of a machine: what the destination must match.
@@ -174,20 +177,45 @@ impl MachineOps for Core {
             max_time: request.max_time_s.map(Duration::from_secs),
             auto_converge: request.auto_converge,
         };
-        let mut dirty = VmDirty {
-            vm: self.vm.clone(),
-            regions: self.regions.clone(),
-            manual_protect: &self.manual_protect,
+        if !request.warm && !self.dirty_tracking {
+            return Err(Error::Migration(
+                "live migration needs dirty-page tracking, which this accelerator lacks; \
+                 use `migrate --warm` (pause, copy, resume on the destination) or a snapshot"
+                    .into(),
+            ));
+        }
+        let mut live_dirty;
+        let mut warm_dirty;
+        let dirty: &mut dyn DirtySource = if request.warm {
+            warm_dirty = NothingDirty {
+                region_pages: self.regions.iter().map(|r| r.size / PAGE_SIZE).collect(),
+            };
+            &mut warm_dirty
+        } else {
+            live_dirty = VmDirty {
+                vm: self.vm.clone(),
+                regions: self.regions.clone(),
+                manual_protect: &self.manual_protect,
+            };
+            &mut live_dirty
         };
         let mut control = VmPause {
             core: self,
             captured: None,
             paused: false,
         };
+        if request.warm {
+            // Warm migration: the guest stays paused from the first page to the hand-over.
+            control.captured = Some(
+                self.control
+                    .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)?,
+            );
+            control.paused = true;
+        }
         let result = migration::migrate(
             &*self.memory,
             &self.config,
-            &mut dirty,
+            dirty,
             &mut control,
             BufWriter::with_capacity(1 << 20, stream),
             BufReader::new(ack_in),
@@ -276,6 +304,23 @@ impl DirtySource for VmDirty<'_> {
     }
 }
 
+/// Warm migration: the guest is paused before the first page is sent, so nothing changes.
+struct NothingDirty {
+    region_pages: Vec<u64>,
+}
+
+impl DirtySource for NothingDirty {
+    fn start_tracking(&mut self) -> migration::Result<()> {
+        Ok(())
+    }
+
+    fn take_dirty(&mut self) -> migration::Result<Bitmap> {
+        Ok(Bitmap::new(&self.region_pages))
+    }
+
+    fn stop_tracking(&mut self) {}
+}
+
 struct VmPause<'a> {
     core: &'a Core,
     captured: Option<Vec<VcpuState>>,
@@ -284,6 +329,10 @@ struct VmPause<'a> {
 
 impl VmControl for VmPause<'_> {
     fn pause(&mut self) -> migration::Result<()> {
+        if self.paused {
+            // Warm migration paused the guest (and saved its vCPUs) before the first page.
+            return Ok(());
+        }
         let states = self
             .core
             .control
