@@ -3,12 +3,13 @@ SHELL := /bin/bash
 # ferrovm: build, demo, tests, benchmarks.
 #   make run    builds everything and boots the bundled demo guest
 #   make test   runs the whole suite (format, lint, unit and guest-booting tests)
+#   make bench  benchmarks against QEMU and a raw KVM_RUN loop -> docs/benchmarks.md
 
 CARGO ?= cargo
 GUESTS_DIR := target/guests
 FERROVM := target/release/ferrovm
 
-.PHONY: all deps build guests run test check-kvm fmt-check clippy unit-tests clean
+.PHONY: all deps build guests run test check-kvm fmt-check clippy unit-tests clean bench
 
 all: build
 
@@ -46,6 +47,11 @@ test: deps guests check-kvm fmt-check clippy
 		| tee target/test.log; status=$$?; \
 	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
 	exit $$status
+
+# Benchmarks (root and /dev/kvm; about 20 minutes): docs/benchmarks.md and docs/bench-*.png,
+# every sample in target/bench/results.json. BENCH_ARGS=--quick for a smoke test.
+bench: build
+	./bench/run.sh $(BENCH_ARGS)
 
 clean:
 	$(CARGO) clean

@@ -3,21 +3,30 @@
 # over a veth pair between two network namespaces shaped to 1 Gbit/s with tc.
 # Writes a markdown table to stdout. Needs root (namespaces, tc) and /dev/kvm.
 #   bench/migration.sh [quick]     (quick: 1 and 2 GiB idle, 256 MiB dirtying)
+# For bench/bench.py (docs/benchmarks.md), one case at a time:
+#   bench/migration.sh netns-up | netns-down      create / delete the 1 Gbit/s namespaces
+#   bench/migration.sh case LINK GUEST CMDLINE MEMORY [migrate options...]
+#       LINK = loopback | 1gbit; prints the `ctl --json migrate` reply as one line (the
+#       namespaces are created and deleted around the case unless netns-up made them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FERROVM=${FERROVM:-target/release/ferrovm}
 GUESTS=${GUESTS:-target/guests}
 WORK=$(mktemp -d)
 NS_A=fvbencha NS_B=fvbenchb
+OWN_NETNS=0
 cleanup() {
     pkill -f "$WORK" 2>/dev/null || true
-    ip netns del $NS_A 2>/dev/null || true
-    ip netns del $NS_B 2>/dev/null || true
+    if [ $OWN_NETNS = 1 ]; then
+        ip netns del $NS_A 2>/dev/null || true
+        ip netns del $NS_B 2>/dev/null || true
+    fi
     rm -rf "$WORK"
 }
 trap cleanup EXIT
 
 setup_netns() {
+    OWN_NETNS=1
     ip netns del $NS_A 2>/dev/null || true
     ip netns del $NS_B 2>/dev/null || true
     ip netns add $NS_A
@@ -33,8 +42,8 @@ setup_netns() {
     ip netns exec $NS_B tc qdisc add dev fvby root tbf rate 1gbit burst 1mb latency 50ms
 }
 
-# run_case LINK GUEST CMDLINE MEMORY [migrate options...]
-run_case() {
+# migrate_case LINK GUEST CMDLINE MEMORY [migrate options...]: prints the JSON reply.
+migrate_case() {
     local link=$1 guest=$2 cmdline=$3 memory=$4
     shift 4
     local src_ns="" dst_ns="" addr=127.0.0.1
@@ -52,7 +61,7 @@ run_case() {
     local src=$!
     # Wait until the guest has touched its memory (first progress/tick line).
     for _ in $(seq 1 600); do
-        if grep -qE "tick 1 ok|pass 2 " "$WORK/src.serial" 2>/dev/null; then break; fi
+        if grep -qE "tick 1 ok|: pass [1-9]" "$WORK/src.serial" 2>/dev/null; then break; fi
         sleep 0.2
     done
     local report
@@ -61,6 +70,14 @@ run_case() {
     "$FERROVM" ctl --api-socket "$WORK/dst.sock" shutdown >/dev/null 2>&1 || kill $dst 2>/dev/null || true
     wait $dst 2>/dev/null || true
     rm -f "$WORK"/*.serial "$WORK"/*.sock
+    echo "$report"
+}
+
+# run_case LINK GUEST CMDLINE MEMORY [migrate options...]: prints a table row.
+run_case() {
+    local link=$1 guest=$2 cmdline=$3 memory=$4
+    local report
+    report=$(migrate_case "$@")
     python3 - "$link" "$guest $cmdline" "$memory" "$report" <<'PY'
 import json, sys
 link, guest, memory, raw = sys.argv[1:5]
@@ -73,6 +90,26 @@ print(f"| {link} | {guest} | {memory} | {r['total_ms']/1000:.2f} s | {r['downtim
       f"{r['bytes_total']/2**20:.0f} MiB | {len(r['rounds'])} | {r['converged']} (throttle {r['max_throttle_percent']}%) |")
 PY
 }
+
+case "${1:-}" in
+netns-up)
+    setup_netns
+    OWN_NETNS=0
+    exit 0
+    ;;
+netns-down)
+    OWN_NETNS=1
+    exit 0
+    ;;
+case)
+    shift
+    if [ "$1" = 1gbit ] && ! ip netns list | grep -qw $NS_A; then
+        setup_netns
+    fi
+    migrate_case "$@"
+    exit 0
+    ;;
+esac
 
 echo "| link | guest | memory | total | downtime | sent | rounds | converged |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- |"

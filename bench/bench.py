@@ -1,0 +1,490 @@
+#!/usr/bin/env python3
+"""ferrovm benchmarks against QEMU and a raw KVM_RUN loop, measured in one run.
+
+    bench/bench.py [--quick] [--only startup,exits,memory,migration,workloads]
+                   [--out target/bench/results.json]
+
+Writes every sample to the JSON file; bench/report.py turns it into docs/benchmarks.md
+and the plots. `make bench` (bench/run.sh) builds everything and runs both. Needs root
+(network namespaces and tc for the 1 Gbit/s migration link) and /dev/kvm.
+
+Every comparison is interleaved: each round runs every VMM once, in an order that
+rotates from round to round, so slow drift of this shared host hits all of them alike.
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.dont_write_bytecode = True  # no __pycache__ in bench/
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qmp import Qmp, QmpError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+FERROVM = str(ROOT / "target/release/ferrovm")
+GUESTS = ROOT / "target/guests"
+RAWKVM = str(ROOT / "target/bench/rawkvm")
+HOSTBENCH = str(ROOT / "target/bench/hostbench")
+QEMU = shutil.which("qemu-system-x86_64") or "qemu-system-x86_64"
+NS_SRC, NS_DST, NS_ADDR = "fvbencha", "fvbenchb", "10.214.0.2"  # bench/migration.sh's
+
+# The QEMU command line of DESIGN.md's anchors and of the issue.
+QEMU_BASE = [QEMU, "-accel", "kvm", "-nodefaults", "-nographic", "-no-user-config",
+             "-device", "isa-debug-exit,iobase=0xf4,iosize=1"]
+
+DEVNULL = subprocess.DEVNULL
+
+
+def log(msg):
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def rotate(items, k):
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def guest(name):
+    return str(GUESTS / f"{name}.elf")
+
+
+def qemu_cmd(machine, kernel, append, mem_mib, serial="stdio", extra=()):
+    cmd = QEMU_BASE + ["-M", machine, "-m", str(mem_mib), "-serial", serial, "-kernel", kernel]
+    if append:
+        cmd += ["-append", append]
+    return cmd + list(extra)
+
+
+def ferrovm_cmd(kernel, cmdline, mem_mib, serial="stdio", extra=()):
+    cmd = [FERROVM, "run", "--kernel", kernel, "--memory", f"{mem_mib}M", "--serial", serial]
+    if cmdline:
+        cmd += ["--cmdline", cmdline]
+    return cmd + list(extra)
+
+
+def vmm_cmd(vmm, kernel, cmdline, mem_mib, serial="stdio"):
+    if vmm == "ferrovm":
+        return ferrovm_cmd(kernel, cmdline, mem_mib, serial)
+    if vmm == "qemu-microvm":
+        return qemu_cmd("microvm", kernel, cmdline, mem_mib, serial)
+    if vmm == "qemu-pc":
+        return qemu_cmd("pc", kernel, cmdline, mem_mib, serial)
+    if vmm == "rawkvm":
+        assert serial == "stdio"
+        return [RAWKVM, "-m", str(mem_mib), "-c", cmdline or "", kernel]
+    raise ValueError(vmm)
+
+
+def prime(mib):
+    """Touches `mib` MiB of fresh host memory and frees it, just before a run that allocates
+    fresh memory. This machine is itself a VM whose hypervisor takes freed memory back
+    (virtio-balloon free page reporting, within seconds), and a first touch of memory it
+    has taken back costs several times more: without this, a run's first-touch costs
+    depend on what ran before it (1 GiB loopback migrations varied 0.3-2.4 s)."""
+    subprocess.run([HOSTBENCH, "prime", str(mib)], check=True)
+
+
+def run_guest(cmd, timeout=300):
+    """Runs a guest to its end; returns (status, console text)."""
+    p = subprocess.run(cmd, stdin=DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       timeout=timeout)
+    return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+
+
+# ---------------------------------------------------------------------------------------
+# machine
+
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def machine_info():
+    cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-").strip()
+    accel = {}
+    try:
+        accel = json.loads(sh(f"{FERROVM} accel --json"))
+    except json.JSONDecodeError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "kernel": sh("uname -r"),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "kvm_backend": accel.get("backend", "?"),
+        "thp": sh("cat /sys/kernel/mm/transparent_hugepage/enabled"),
+        "qemu": sh(f"{QEMU} --version | head -1"),
+        "ferrovm_commit": sh(f"git -C {ROOT} rev-parse --short HEAD")
+        + (" (with uncommitted changes)" if sh(f"git -C {ROOT} status --porcelain") else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "tsc_hz": tsc_hz(),
+    }
+
+
+def tsc_hz():
+    out = subprocess.run([HOSTBENCH, "tsc"], capture_output=True, text=True, check=True).stdout
+    return float(re.search(r"tsc_hz=(\d+)", out).group(1))
+
+
+# ---------------------------------------------------------------------------------------
+# 1. start-up
+
+def time_startup(cmd):
+    """Process start -> first console byte ('!') and -> process exit, in ms."""
+    t0 = time.perf_counter_ns()
+    p = subprocess.Popen(cmd, stdin=DEVNULL, stdout=subprocess.PIPE, stderr=DEVNULL, bufsize=0)
+    fd = p.stdout.fileno()
+    first, got = None, b""
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        got += chunk
+        if first is None and b"!" in got:
+            first = time.perf_counter_ns()
+    status = p.wait()
+    t_exit = time.perf_counter_ns()
+    if status != 1 or first is None:
+        raise RuntimeError(f"{cmd[0]}: status {status}, console {got[:200]!r}")
+    return (first - t0) / 1e6, (t_exit - t0) / 1e6
+
+
+def bench_startup(cfg):
+    vmms = ["rawkvm", "ferrovm", "qemu-microvm", "qemu-pc"]
+    res = {v: {"first_ms": [], "exit_ms": []} for v in vmms}
+    kernel = guest("bench-start")
+    for r in range(cfg["startup_rounds"]):
+        for v in rotate(vmms, r):
+            first, ex = time_startup(vmm_cmd(v, kernel, "", 256))
+            res[v]["first_ms"].append(first)
+            res[v]["exit_ms"].append(ex)
+        log(f"startup round {r + 1}/{cfg['startup_rounds']}: "
+            + ", ".join(f"{v} {res[v]['first_ms'][-1]:.1f} ms" for v in vmms))
+    return {"guest": "bench-start", "memory_mib": 256, "vmms": res}
+
+
+# ---------------------------------------------------------------------------------------
+# 2. exit round trips
+
+EXIT_RE = re.compile(r"exit: ring=(\d) test=(\S+) rep=(\d+) n=(\d+) cycles=(\d+)")
+
+
+def bench_exits(cfg, hz):
+    vmms = ["rawkvm", "ferrovm", "qemu-microvm"]
+    cmdline = f"n3={cfg['exit_n']} n0={cfg['exit_n']} reps={cfg['exit_reps']}"
+    samples = []
+    for r in range(cfg["exit_rounds"]):
+        for v in rotate(vmms, r):
+            status, out, err = run_guest(vmm_cmd(v, guest("bench-exit"), cmdline, 256))
+            if status != 1 or "PASS" not in out:
+                raise RuntimeError(f"bench-exit under {v}: status {status}\n{out}\n{err}")
+            for m in EXIT_RE.finditer(out):
+                ring, test, rep, n, cycles = m.groups()
+                samples.append({"vmm": v, "round": r, "ring": int(ring), "test": test,
+                                "rep": int(rep), "us": int(cycles) / int(n) / hz * 1e6})
+        log(f"exits round {r + 1}/{cfg['exit_rounds']}")
+    return {"guest": "bench-exit", "cmdline": cmdline, "port": "0x3ff (COM1 scratch)",
+            "mmio": "0xd0000000 (unclaimed)", "samples": samples}
+
+
+# ---------------------------------------------------------------------------------------
+# 3. memory overhead
+
+def wait_for(path, pattern, timeout, proc=None):
+    rx = re.compile(pattern)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if rx.search(Path(path).read_text(errors="replace")):
+                return True
+        except FileNotFoundError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def proc_memory(pid):
+    status = Path(f"/proc/{pid}/status").read_text()
+    kib = {k: int(v) for k, v in re.findall(r"^(VmRSS|RssAnon|RssFile|RssShmem):\s+(\d+) kB",
+                                              status, re.M)}
+    # The guest RAM mapping: the largest mapping (Size >= guest memory).
+    best = (0, 0)
+    size = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            a, b = line.split()[0].split("-")
+            size = int(b, 16) - int(a, 16)
+        elif line.startswith("Rss:") and size is not None:
+            rss = int(line.split()[1])
+            if size > best[0]:
+                best = (size, rss)
+    pss = re.search(r"^Pss:\s+(\d+) kB", Path(f"/proc/{pid}/smaps_rollup").read_text(), re.M)
+    kib["guest_ram_rss"] = best[1]
+    kib["Pss"] = int(pss.group(1)) if pss else 0
+    return kib
+
+
+def bench_memory(cfg):
+    vmms = ["ferrovm", "qemu-microvm", "qemu-pc"]
+    touched = cfg["memory_touch_mib"]
+    cmdline = f"mib={touched} tick_ms=100"
+    res = {v: [] for v in vmms}
+    for r in range(cfg["memory_rounds"]):
+        for v in rotate(vmms, r):
+            work = tempfile.mkdtemp(prefix="fvbench-mem")
+            serial = f"{work}/serial"
+            p = subprocess.Popen(vmm_cmd(v, guest("migrate-idle"), cmdline, 1024, f"file:{serial}"),
+                                 stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
+            try:
+                if not wait_for(serial, r"tick 2 ok", 60, p):
+                    raise RuntimeError(f"migrate-idle under {v} did not tick")
+                time.sleep(0.3)
+                m = proc_memory(p.pid)
+            finally:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                shutil.rmtree(work, ignore_errors=True)
+            res[v].append(m)
+        log(f"memory round {r + 1}/{cfg['memory_rounds']}: " + ", ".join(
+            f"{v} {(res[v][-1]['VmRSS'] - res[v][-1]['guest_ram_rss']) / 1024:.1f} MiB" for v in vmms))
+    return {"guest": "migrate-idle", "cmdline": cmdline, "memory_mib": 1024,
+            "touched_mib": touched, "vmms": res}
+
+
+# ---------------------------------------------------------------------------------------
+# 4. live migration
+
+def ferrovm_migrate(link, guest_name, cmdline, gib, opts):
+    out = subprocess.run([str(ROOT / "bench/migration.sh"), "case", link, guest_name, cmdline,
+                          f"{gib}G"] + opts, capture_output=True, text=True, timeout=600).stdout
+    try:
+        rep = json.loads(out.strip().splitlines()[-1])["report"]
+    except (json.JSONDecodeError, IndexError, KeyError):
+        return {"ok": False, "error": out[-300:]}
+    return {"ok": True, "total_ms": rep["total_ms"], "downtime_ms": rep["downtime_ms"],
+            "bytes": rep["bytes_total"], "rounds": len(rep["rounds"]),
+            "converged": rep["converged"], "throttle": rep["max_throttle_percent"]}
+
+
+def stop(p):
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s):
+    work = tempfile.mkdtemp(prefix="fvbench-qmig")
+    src_ns, dst_ns, addr = [], [], "127.0.0.1"
+    if link == "1gbit":
+        src_ns, dst_ns, addr = (["ip", "netns", "exec", NS_SRC], ["ip", "netns", "exec", NS_DST],
+                                NS_ADDR)
+    port = 8600 + random.randrange(1000)
+    base = QEMU_BASE + ["-M", "microvm", "-m", f"{gib}G"]
+    dst = subprocess.Popen(dst_ns + base + ["-serial", f"file:{work}/dst.ser",
+                                            "-qmp", f"unix:{work}/dst.qmp,server=on,wait=off",
+                                            "-incoming", f"tcp:{addr}:{port}"],
+                           stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
+    src = subprocess.Popen(src_ns + base + ["-serial", f"file:{work}/src.ser",
+                                            "-qmp", f"unix:{work}/src.qmp,server=on,wait=off",
+                                            "-kernel", guest(guest_name), "-append", cmdline],
+                           stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
+    s = d = None
+    try:
+        if not wait_for(f"{work}/src.ser", r"tick 1 ok|: pass [1-9]", 180, src):
+            return {"ok": False, "error": "guest did not start"}
+        s, d = Qmp(f"{work}/src.qmp"), Qmp(f"{work}/dst.qmp")
+        # As fast as the link (QEMU 7.2 caps at 128 MiB/s by default; ferrovm has no cap),
+        # and ferrovm's default downtime target.
+        s.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 50})
+        if auto_converge:
+            s.cmd("migrate-set-capabilities",
+                  capabilities=[{"capability": "auto-converge", "state": True}])
+        s.cmd("migrate", uri=f"tcp:{addr}:{port}")
+        deadline = time.monotonic() + max_time_s
+        while True:
+            info = s.cmd("query-migrate")
+            if info.get("status") in ("completed", "failed", "cancelled"):
+                break
+            if time.monotonic() > deadline:
+                s.cmd("migrate_cancel")
+                return {"ok": False, "error": f"not done after {max_time_s} s"}
+            time.sleep(0.05)
+        if info["status"] != "completed":
+            return {"ok": False, "error": info.get("error-desc", info["status"])}
+        resumed = d.wait_event("RESUME", 30)
+        stopped = s.event_time("STOP")
+        running = d.cmd("query-status").get("status") == "running"
+        ram = info.get("ram", {})
+        return {"ok": running, "total_ms": info["total-time"], "downtime_ms": info["downtime"],
+                "guest_pause_ms": (resumed - stopped) * 1000 if resumed and stopped else None,
+                "bytes": ram.get("transferred"), "rounds": ram.get("dirty-sync-count"),
+                "converged": True, "throttle": info.get("cpu-throttle-percentage", 0)}
+    except (QmpError, OSError) as e:
+        return {"ok": False, "error": str(e)}
+    finally:
+        for q in (s, d):
+            if q:
+                try:
+                    q.cmd("quit")
+                except (QmpError, OSError):
+                    pass
+                q.close()
+        stop(src)
+        stop(dst)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def bench_migration(cfg):
+    subprocess.run([str(ROOT / "bench/migration.sh"), "netns-up"], check=True)
+    results = []
+    try:
+        for case in cfg["migration_cases"]:
+            link, kind, gib, runs = case["link"], case["guest"], case["gib"], case["runs"]
+            if kind == "migrate-idle":
+                touched = min(gib * 1024 - 128, 2900)
+                cmdline = f"mib={touched}"
+                fopts, auto, max_t = [], False, 300
+            else:
+                touched = case["mib"]
+                cmdline = f"mib={touched}"
+                fopts, auto, max_t = ["--auto-converge", "--max-time-s", "120"], True, 120
+            for r in range(runs):
+                for v in rotate(["ferrovm", "qemu"], r):
+                    prime(2 * touched + 256)
+                    if v == "ferrovm":
+                        m = ferrovm_migrate(link, kind, cmdline, gib, fopts)
+                    else:
+                        m = qemu_migrate(link, kind, cmdline, gib, auto, max_t)
+                    m.update({"vmm": v, "link": link, "guest": kind, "cmdline": cmdline,
+                              "gib": gib, "run": r})
+                    results.append(m)
+                    log(f"migration {link} {kind} {cmdline} {gib} GiB {v}: "
+                        + (f"{m['total_ms'] / 1000:.2f} s, downtime {m['downtime_ms']:.1f} ms"
+                           if m["ok"] else f"FAILED {m.get('error')}"))
+    finally:
+        subprocess.run([str(ROOT / "bench/migration.sh"), "netns-down"])
+    return {"results": results}
+
+
+# ---------------------------------------------------------------------------------------
+# 5. guest against host
+
+WORK_RE = re.compile(r"work: (\S+) rep=(\d+) units=(\d+) cycles=(\d+) check=([0-9a-f]+)")
+
+
+def bench_workloads(cfg, hz):
+    reps, mib = cfg["work_reps"], cfg["work_mib"]
+    mem = 64 + (2 + reps) * mib + 64
+    cmdline = f"reps={reps} mib={mib}"
+    samples = []
+    for r in range(cfg["work_rounds"]):
+        for v in rotate(["host", "ferrovm", "qemu-microvm"], r):
+            prime((2 + 2 * reps) * mib + 256)
+            if v == "host":
+                status, out, err = run_guest([HOSTBENCH, "work", str(reps), "100000000", str(mib)])
+                ok = status == 0
+            else:
+                status, out, err = run_guest(vmm_cmd(v, guest("bench-work"), cmdline, mem))
+                ok = status == 1 and "PASS" in out
+            if not ok:
+                raise RuntimeError(f"workloads under {v}: status {status}\n{out}\n{err}")
+            for m in WORK_RE.finditer(out):
+                name, rep, units, cycles, check = m.groups()
+                samples.append({"env": v, "round": r, "name": name, "rep": int(rep),
+                                "units": int(units), "cycles": int(cycles), "check": check,
+                                "s": int(cycles) / hz})
+        log(f"workloads round {r + 1}/{cfg['work_rounds']}")
+    status, out, err = run_guest([HOSTBENCH, "os", str(reps), "/var/tmp"])
+    for m in WORK_RE.finditer(out):
+        name, rep, units, cycles, check = m.groups()
+        samples.append({"env": "host", "round": 0, "name": name, "rep": int(rep),
+                        "units": int(units), "cycles": int(cycles), "check": check,
+                        "s": int(cycles) / hz})
+    return {"guest": "bench-work", "cmdline": cmdline, "memory_mib": mem, "samples": samples}
+
+
+# ---------------------------------------------------------------------------------------
+
+def config(quick):
+    cfg = {
+        "startup_rounds": 10,
+        "exit_rounds": 6, "exit_n": 4000, "exit_reps": 3,
+        "memory_rounds": 5, "memory_touch_mib": 256,
+        "work_rounds": 3, "work_reps": 3, "work_mib": 256,
+        "migration_cases": (
+            [{"link": "loopback", "guest": "migrate-idle", "gib": g, "runs": 5} for g in (1, 2, 4, 8)]
+            + [{"link": "loopback", "guest": "migrate-dirty", "gib": 2, "mib": 256, "runs": 2}]
+            + [{"link": "loopback", "guest": "migrate-dirty", "gib": 2, "mib": 1024, "runs": 2}]
+            + [{"link": "1gbit", "guest": "migrate-idle", "gib": g, "runs": 3} for g in (1, 2, 4, 8)]
+            + [{"link": "1gbit", "guest": "migrate-dirty", "gib": 2, "mib": 256, "runs": 2}]
+        ),
+    }
+    if quick:
+        cfg.update({
+            "startup_rounds": 3, "exit_rounds": 2, "exit_n": 2000, "exit_reps": 2,
+            "memory_rounds": 2, "work_rounds": 1, "work_reps": 2,
+            "migration_cases": [
+                {"link": "loopback", "guest": "migrate-idle", "gib": 1, "runs": 1},
+                {"link": "1gbit", "guest": "migrate-idle", "gib": 1, "runs": 1},
+            ],
+        })
+    return cfg
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and cases (a smoke test)")
+    ap.add_argument("--only", default="startup,exits,memory,migration,workloads")
+    ap.add_argument("--out", default=str(ROOT / "target/bench/results.json"))
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    cfg = config(args.quick)
+    out = Path(args.out)
+    # Keep sections measured earlier when only some are rerun.
+    results = json.loads(out.read_text()) if out.exists() and only != set(
+        "startup,exits,memory,migration,workloads".split(",")) else {}
+    results["machine"] = machine_info()
+    results["config"] = cfg
+    results["quick"] = args.quick
+    hz = results["machine"]["tsc_hz"]
+    log(f"TSC {hz / 1e6:.0f} MHz; {results['machine']['qemu']}")
+    t0 = time.monotonic()
+    steps = [("startup", lambda: bench_startup(cfg)), ("exits", lambda: bench_exits(cfg, hz)),
+             ("memory", lambda: bench_memory(cfg)), ("workloads", lambda: bench_workloads(cfg, hz)),
+             ("migration", lambda: bench_migration(cfg))]
+    for name, fn in steps:
+        if name in only:
+            t = time.monotonic()
+            results[name] = fn()
+            results[name]["seconds"] = round(time.monotonic() - t, 1)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1))
+            log(f"{name} done in {results[name]['seconds']:.0f} s")
+    results["seconds"] = round(time.monotonic() - t0, 1)
+    out.write_text(json.dumps(results, indent=1))
+    log(f"all done in {results['seconds']:.0f} s -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,580 @@
+#!/usr/bin/env python3
+"""Renders bench/bench.py's results as docs/benchmarks.md and docs/bench-*.png.
+
+    bench/report.py [target/bench/results.json] [docs]
+
+Every figure is the median over its runs with the range [min-max]; every comparison is a
+ratio of two medians from the same run of bench.py, with the range of the same ratio taken
+round by round (each round runs every VMM once) where rounds pair up.
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+COLORS = {"ferrovm": "#d9531e", "rawkvm": "#555555", "qemu-microvm": "#3b75af",
+          "qemu-pc": "#9ebcda", "qemu": "#3b75af", "host": "#555555"}
+LABEL = {"ferrovm": "ferrovm", "rawkvm": "raw KVM_RUN loop", "qemu-microvm": "QEMU microvm",
+         "qemu-pc": "QEMU pc (SeaBIOS)", "qemu": "QEMU microvm", "host": "host (native)"}
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def fig(xs, digits=1, unit=""):
+    """'median [min–max]' with a unit."""
+    if not xs:
+        return "—"
+    f = f"{{:.{digits}f}}"
+    u = f" {unit}" if unit else ""
+    if len(xs) == 1:
+        return f"{f.format(xs[0])}{u} (1 run)"
+    return f"{f.format(med(xs))}{u} [{f.format(min(xs))}–{f.format(max(xs))}]"
+
+
+def ratio(a, b, per_round=None, digits=2):
+    """Ratio of medians a/b, with the per-round range if given."""
+    if not a or not b:
+        return "—"
+    r = med(a) / med(b)
+    f = f"{{:.{digits}f}}"
+    s = f"{f.format(r)}×"
+    if per_round and len(per_round) > 1:
+        s += f" [{f.format(min(per_round))}–{f.format(max(per_round))}]"
+    return s
+
+
+def errbars(series):
+    """Median heights and asymmetric min/max error bars for matplotlib."""
+    m = [med(s) if s else 0 for s in series]
+    lo = [mm - min(s) if s else 0 for mm, s in zip(m, series)]
+    hi = [max(s) - mm if s else 0 for mm, s in zip(m, series)]
+    return m, [lo, hi]
+
+
+def grouped_bars(ax, groups, series_by_vmm, vmms, ylabel, log=False, fmt="{:.1f}"):
+    n = len(vmms)
+    width = 0.8 / n
+    for i, v in enumerate(vmms):
+        data = [series_by_vmm[v][g] for g in range(len(groups))]
+        m, err = errbars(data)
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        bars = ax.bar(xs, m, width, yerr=err, capsize=3, color=COLORS.get(v), label=LABEL.get(v, v))
+        for b, val in zip(bars, m):
+            if val:
+                ax.annotate(fmt.format(val), (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                            textcoords="offset points")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    top = max((max(s) for v in vmms for s in series_by_vmm[v] if s), default=1)
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylim(top=top * 8)
+    else:
+        ax.set_ylim(top=top * 1.3)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", ncol=min(len(vmms), 4))
+
+
+# ---------------------------------------------------------------------------------------
+
+def startup_section(res, docs, out):
+    st = res["startup"]["vmms"]
+    vmms = [v for v in ("rawkvm", "ferrovm", "qemu-microvm", "qemu-pc") if v in st]
+    n = len(st["ferrovm"]["first_ms"])
+    out.append("## 1. Start-up: process start to the guest's first port write\n")
+    out.append(
+        "`bench-start` (`guests/bench-start.c`) sets up the kit (serial, TSS, IDT: a few hundred "
+        "emulated ring-0 instructions), enters ring 3, and its first action there is a port "
+        "write: `'!'` to the UART at 0x3f8, then 0 to the debug-exit port 0xf4, which ends "
+        "the VM in every VMM here (QEMU: `-device isa-debug-exit,iobase=0xf4,iosize=1`). The "
+        "harness times from just before `fork`+`exec` to the `'!'` arriving on the console "
+        "pipe (**first port write**), and to the process's exit (**exit**, which adds tearing "
+        "the VM down). Same ELF for all: ferrovm and the raw KVM_RUN loop (`bench/rawkvm.c`, "
+        "the floor: one memory slot, one vCPU, no irqchip) boot it through the PVH note, QEMU "
+        "(which tries Multiboot first) through its Multiboot header. 256 MiB of RAM, "
+        f"{n} interleaved rounds.\n")
+    out.append("```\n"
+               "target/release/ferrovm run --kernel target/guests/bench-start.elf --memory 256M\n"
+               "target/bench/rawkvm -m 256 target/guests/bench-start.elf\n"
+               "qemu-system-x86_64 -M microvm|pc -accel kvm -nodefaults -nographic -no-user-config \\\n"
+               "  -device isa-debug-exit,iobase=0xf4,iosize=1 -serial stdio -m 256 "
+               "-kernel target/guests/bench-start.elf\n```\n")
+    out.append("| VMM | to first port write | to exit | ÷ raw loop (first write) | ÷ ferrovm (first write) |")
+    out.append("| --- | --- | --- | --- | --- |")
+    f0 = st["ferrovm"]["first_ms"]
+    r0 = st["rawkvm"]["first_ms"] if "rawkvm" in st else None
+    for v in vmms:
+        fm = st[v]["first_ms"]
+        vs_raw = (ratio(fm, r0, [a / b for a, b in zip(fm, r0)], 1) if r0 and v != "rawkvm" else "")
+        vs_f = (ratio(fm, f0, [a / b for a, b in zip(fm, f0)], 1) if v != "ferrovm" else "")
+        out.append(f"| {LABEL[v]} | {fig(fm, 1, 'ms')} | {fig(st[v]['exit_ms'], 1, 'ms')} | "
+                   f"{vs_raw} | {vs_f} |")
+    out.append("")
+    fig_, ax = plt.subplots(figsize=(7.5, 3.6))
+    series = {v: [st[v]["first_ms"], st[v]["exit_ms"]] for v in vmms}
+    grouped_bars(ax, ["to first port write", "to exit"], series, vmms, "ms (log scale)", log=True,
+                 fmt="{:.0f}")
+    ax.set_title("Start-up, bench-start guest (median, min–max)", fontsize=10)
+    fig_.tight_layout()
+    fig_.savefig(docs / "bench-startup.png", dpi=110)
+    plt.close(fig_)
+    out.append("![start-up](bench-startup.png)\n")
+    return {v: med(st[v]["first_ms"]) for v in vmms}
+
+
+TESTS = [("pio-out", "PIO write (OUT)"), ("pio-in", "PIO read (IN)"),
+         ("mmio-write", "MMIO write"), ("mmio-read", "MMIO read"), ("nop", "loop, no exit")]
+
+
+def exits_section(res, docs, out):
+    ex = res["exits"]
+    cfg = res["config"]
+    vmms = ["rawkvm", "ferrovm", "qemu-microvm"]
+    samples = ex["samples"]
+    rounds = sorted({s["round"] for s in samples})
+
+    def get(v, ring, test, rnd=None):
+        return [s["us"] for s in samples if s["vmm"] == v and s["ring"] == ring
+                and s["test"] == test and (rnd is None or s["round"] == rnd)]
+
+    def per_round(a, b, ring, test):
+        out_ = []
+        for r in rounds:
+            x, y = get(a, ring, test, r), get(b, ring, test, r)
+            if x and y:
+                out_.append(med(x) / med(y))
+        return out_
+
+    out.append("## 2. Exit round trips to user space\n")
+    out.append(
+        "`bench-exit` (`guests/bench-exit.c`) times, with RDTSC, "
+        f"{cfg['exit_n']} back-to-back accesses (unrolled 8 per loop iteration) per measurement: "
+        "`OUTB`/`INB` on port 0x3ff (the COM1 scratch register: a device model in user space in "
+        "ferrovm and QEMU) and 32-bit stores/loads at 0xd0000000 (no RAM and no device there in "
+        "any of the three: an MMIO exit answered in user space, all ones on reads), from ring 3 "
+        "and from ring 0, plus the same loop with NOPs (no exit) for the loop's own cost. "
+        f"{cfg['exit_reps']} measurements per boot, {len(rounds)} interleaved boots under each of:\n")
+    out.append(
+        "- **raw KVM_RUN loop** (`bench/rawkvm.c`, the floor): loads the same PVH ELF into one "
+        "memory slot, one vCPU, no irqchip, and answers each exit inline in the loop (console "
+        "byte, LSR, scratch register, debug-exit; all ones for other reads);\n"
+        "- **ferrovm** (default: in-kernel irqchip), `--memory 256M`;\n"
+        "- **QEMU** `-M microvm` (in-kernel irqchip), `-m 256`.\n")
+    out.append(
+        "Per-access time in µs (TSC cycles / access / TSC rate measured on the host), "
+        "median [min–max] over all measurements; ratios of medians, [range of per-boot ratios]:\n")
+    out.append("| ring | access | raw loop | ferrovm | QEMU microvm | ferrovm / raw | QEMU / raw | ferrovm / QEMU |")
+    out.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    summary = {}
+    for ring in (3, 0):
+        for test, label in TESTS:
+            r, f, q = (get(v, ring, test) for v in vmms)
+            if test == "nop":  # per NOP instruction, in ns
+                r, f, q = ([x * 1000 for x in xs] for xs in (r, f, q))
+                out.append(f"| {ring} | {label} (per NOP) | {fig(r, 2, 'ns')} | {fig(f, 2, 'ns')} | "
+                           f"{fig(q, 2, 'ns')} | | | |")
+                continue
+            summary[(ring, test)] = (med(r), med(f), med(q))
+            out.append(f"| {ring} | {label} | {fig(r, 2, 'µs')} | {fig(f, 2, 'µs')} | {fig(q, 2, 'µs')} | "
+                       f"{ratio(f, r, per_round('ferrovm', 'rawkvm', ring, test))} | "
+                       f"{ratio(q, r, per_round('qemu-microvm', 'rawkvm', ring, test))} | "
+                       f"{ratio(f, q, per_round('ferrovm', 'qemu-microvm', ring, test))} |")
+    out.append("")
+    fig_, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, ring in zip(axes, (3, 0)):
+        groups = [t for t, _ in TESTS if t != "nop"]
+        series = {v: [get(v, ring, t) for t in groups] for v in vmms}
+        grouped_bars(ax, groups, series, vmms, "µs per access", fmt="{:.1f}")
+        ax.set_title(f"exit round trip from ring {ring}", fontsize=10)
+    fig_.suptitle("Exit round trips to user space (median, min–max)", fontsize=10)
+    fig_.tight_layout()
+    fig_.savefig(docs / "bench-exits.png", dpi=110)
+    plt.close(fig_)
+    out.append("![exits](bench-exits.png)\n")
+    return summary
+
+
+def memory_section(res, docs, out):
+    mem = res["memory"]
+    vmms = [v for v in ("ferrovm", "qemu-microvm", "qemu-pc") if v in mem["vmms"]]
+    mib = lambda rows, f: [f(r) / 1024 for r in rows]  # noqa: E731
+    over = {v: mib(mem["vmms"][v], lambda r: r["VmRSS"] - r["guest_ram_rss"]) for v in vmms}
+    over_t = {v: mib(mem["vmms"][v], lambda r: r["VmRSS"] - mem["touched_mib"] * 1024) for v in vmms}
+    out.append("## 3. Memory overhead: resident memory beyond the guest's\n")
+    out.append(
+        f"A {mem['memory_mib'] // 1024} GiB guest runs `migrate-idle {mem['cmdline']}`: it touches "
+        f"{mem['touched_mib']} MiB, then idles with a timer. Once it has ticked twice the harness "
+        "reads `/proc/PID/status` and `/proc/PID/smaps` of the VMM process. **Beyond guest RAM** "
+        "= VmRSS minus the resident part of the guest-RAM mapping (the process's largest mapping; "
+        "with transparent huge pages it also holds the guest image's 2 MiB page, so it is "
+        f"slightly above {mem['touched_mib']} MiB); **beyond touched** = VmRSS minus the "
+        f"{mem['touched_mib']} MiB the guest touched. RssFile is mostly the executable and shared "
+        f"libraries (shared with other processes; Pss counts them shared). {len(over['ferrovm'])} "
+        "interleaved rounds.\n")
+    out.append("| VMM | VmRSS | guest RAM resident | beyond guest RAM | beyond touched | RssAnon | RssFile | Pss | ratio to ferrovm (beyond guest RAM) |")
+    out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for v in vmms:
+        rows = mem["vmms"][v]
+        per = [a / b for a, b in zip(over[v], over["ferrovm"])]
+        out.append(
+            f"| {LABEL[v]} | {fig(mib(rows, lambda r: r['VmRSS']), 1, 'MiB')} | "
+            f"{fig(mib(rows, lambda r: r['guest_ram_rss']), 1, 'MiB')} | **{fig(over[v], 1, 'MiB')}** | "
+            f"{fig(over_t[v], 1, 'MiB')} | {fig(mib(rows, lambda r: r['RssAnon']), 1, 'MiB')} | "
+            f"{fig(mib(rows, lambda r: r['RssFile']), 1, 'MiB')} | {fig(mib(rows, lambda r: r['Pss']), 1, 'MiB')} | "
+            + ("1" if v == "ferrovm" else ratio(over[v], over["ferrovm"], per, 1)) + " |")
+    out.append("")
+    fig_, ax = plt.subplots(figsize=(6, 3.4))
+    grouped_bars(ax, ["beyond guest RAM", "beyond touched"],
+                 {v: [over[v], over_t[v]] for v in vmms}, vmms, "MiB", fmt="{:.1f}")
+    ax.set_title(f"VMM resident memory beyond the guest's, {mem['memory_mib'] // 1024} GiB guest "
+                 f"touching {mem['touched_mib']} MiB", fontsize=9)
+    fig_.tight_layout()
+    fig_.savefig(docs / "bench-memory.png", dpi=110)
+    plt.close(fig_)
+    out.append("![memory](bench-memory.png)\n")
+    return {v: med(over[v]) for v in vmms}
+
+
+def migration_section(res, docs, out):
+    mig = res["migration"]["results"]
+    cases = []
+    for m in mig:
+        key = (m["link"], m["guest"], m["cmdline"], m["gib"])
+        if key not in cases:
+            cases.append(key)
+    out.append("## 4. Live migration\n")
+    out.append(
+        "Source and destination on this machine, over loopback and over a veth pair between two "
+        "network namespaces shaped to 1 Gbit/s each way (`tc qdisc … tbf rate 1gbit`; the "
+        "set-up of `bench/migration.sh`). ferrovm runs through `bench/migration.sh case` "
+        "(`ferrovm ctl migrate`, defaults: no bandwidth cap, downtime target 50 ms; dirtying "
+        "guests with `--auto-converge --max-time-s 120`). QEMU migrates over QMP "
+        "(`bench/qmp.py`): `-M microvm`, same guest ELF via `-kernel`, destination started with "
+        "`-incoming tcp:…`, `migrate-set-parameters max-bandwidth=100 GiB/s downtime-limit=50` "
+        "(QEMU 7.2 caps migration at 128 MiB/s by default; ferrovm has no cap), "
+        "`auto-converge` on for dirtying guests, `migrate`, then `query-migrate` until "
+        "`completed`. Idle guests run `migrate-idle` touching their RAM up to 2.9 GiB (below the "
+        "3 GiB MMIO hole), so 4 and 8 GiB guests send 2.9 GiB of data; dirtying guests run "
+        "`migrate-dirty` (ring 3 rewrites one word of every page of the region, continuously).\n")
+    out.append(
+        "- **total**: ferrovm's `total_ms`; QEMU's `total-time`.\n"
+        "- **downtime** as each VMM reports it: ferrovm from the pause to the destination's "
+        "acknowledgement that its vCPUs run; QEMU's `downtime` stops on the source once the last "
+        "data is sent, before the destination has loaded the device state and resumed.\n"
+        "- **guest pause** (QEMU only, comparable to ferrovm's downtime): the source's `STOP` "
+        "event to the destination's `RESUME` event (QMP event timestamps, same host clock).\n"
+        "- **sent**: bytes on the wire (ferrovm `bytes_total`; QEMU `ram.transferred`).\n"
+        "- **rounds**: ferrovm's pre-copy rounds including the final one; QEMU's "
+        "`ram.dirty-sync-count`.\n")
+    out.append(
+        "Before every run the harness touches and frees twice the guest's touched memory "
+        "(`hostbench prime`): this machine is a VM whose hypervisor takes freed memory back "
+        "within seconds (free page reporting), and the destination's first touch of such memory "
+        "is several times slower. Without it a 1 GiB loopback migration of either VMM took "
+        "0.3 s or 2.4 s depending on what ran before.\n")
+    out.append("| link | guest | RAM | VMM | total | downtime | guest pause | sent | rounds | ratio QEMU/ferrovm (total) |")
+    out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    plot = {}
+    summary = {}
+    for key in cases:
+        link, guest_, cmdline, gib = key
+        rows = {v: [m for m in mig if (m["link"], m["guest"], m["cmdline"], m["gib"]) == key
+                    and m["vmm"] == v] for v in ("ferrovm", "qemu")}
+        ok = {v: [m for m in rows[v] if m["ok"]] for v in rows}
+        tot = {v: [m["total_ms"] / 1000 for m in ok[v]] for v in rows}
+        per = []
+        for r in sorted({m["run"] for m in mig}):
+            a = [m["total_ms"] for m in ok["qemu"] if m["run"] == r]
+            b = [m["total_ms"] for m in ok["ferrovm"] if m["run"] == r]
+            if a and b:
+                per.append(a[0] / b[0])
+        for v in ("ferrovm", "qemu"):
+            failed = len(rows[v]) - len(ok[v])
+            fail_note = f" ({failed} of {len(rows[v])} failed)" if failed else ""
+            gp = [m["guest_pause_ms"] for m in ok[v] if m.get("guest_pause_ms") is not None]
+            out.append(
+                f"| {link} | `{guest_} {cmdline}` | {gib} GiB | {LABEL[v]}{fail_note} | "
+                f"{fig(tot[v], 2, 's')} | {fig([m['downtime_ms'] for m in ok[v]], 1, 'ms')} | "
+                + (fig(gp, 1, "ms") if v == "qemu" else "(= downtime)") + " | "
+                f"{fig([m['bytes'] / 2**20 for m in ok[v]], 0, 'MiB')} | "
+                f"{fig([m['rounds'] for m in ok[v]], 0)} | "
+                + (ratio(tot["qemu"], tot["ferrovm"], per) if v == "qemu" else "") + " |")
+        plot[key] = (tot, {v: [m["downtime_ms"] if v == "ferrovm" else (m.get("guest_pause_ms") or 0)
+                               for m in ok[v]] for v in rows})
+        summary[key] = {v: (med(tot[v]) if tot[v] else None) for v in rows}
+        summary[key]["down"] = {v: med(plot[key][1][v]) if plot[key][1][v] else None for v in rows}
+    out.append("")
+    links = [lk for lk in ("loopback", "1gbit") if any(k[0] == lk for k in cases)]
+    fig_, axes = plt.subplots(2, len(links), figsize=(5.5 * len(links), 6.5), squeeze=False)
+    for col, lk in enumerate(links):
+        keys = [k for k in cases if k[0] == lk]
+        groups = [f"{k[3]} GiB\n{'idle' if k[1] == 'migrate-idle' else 'dirty ' + k[2].split('=')[1] + 'M'}"
+                  for k in keys]
+        grouped_bars(axes[0][col], groups, {v: [plot[k][0][v] for k in keys] for v in ("ferrovm", "qemu")},
+                     ["ferrovm", "qemu"], "total (s)", fmt="{:.1f}")
+        axes[0][col].set_title(f"{lk}: total time", fontsize=10)
+        grouped_bars(axes[1][col], groups, {v: [plot[k][1][v] for k in keys] for v in ("ferrovm", "qemu")},
+                     ["ferrovm", "qemu"], "ms", fmt="{:.1f}")
+        axes[1][col].set_title(f"{lk}: guest pause (ferrovm downtime; QEMU STOP→RESUME)", fontsize=9)
+    fig_.suptitle("Live migration (median, min–max)", fontsize=10)
+    fig_.tight_layout()
+    fig_.savefig(docs / "bench-migration.png", dpi=110)
+    plt.close(fig_)
+    out.append("![migration](bench-migration.png)\n")
+    return summary
+
+
+WORKS = [("intloop", "integer loop", "ns per iteration", 1e9),
+         ("memmove", "memmove 256 MiB (rep movsb)", "GB/s", None),
+         ("touch", "first touch of fresh pages", "µs per 4 KiB page", 1e6)]
+
+
+def workloads_section(res, docs, out):
+    wl = res["workloads"]
+    samples = wl["samples"]
+    envs = ["host", "ferrovm", "qemu-microvm"]
+    rounds = sorted({s["round"] for s in samples if s["env"] != "host" or s["name"] in ("intloop",)})
+
+    def vals(env, name, rnd=None):
+        xs = []
+        for s in samples:
+            if s["env"] == env and s["name"] == name and (rnd is None or s["round"] == rnd):
+                xs.append(s["s"])
+        return xs
+
+    def per_unit(env, name, scale, rnd=None):
+        xs = [s for s in samples if s["env"] == env and s["name"] == name
+              and (rnd is None or s["round"] == rnd)]
+        if scale is None:  # throughput
+            return [s["units"] / s["s"] / 1e9 for s in xs]
+        return [s["s"] / s["units"] * scale for s in xs]
+
+    out.append("## 5. Guest against host\n")
+    out.append(
+        "The workloads of `bench/workloads.h` — freestanding C shared word for word — run in "
+        "ring 3 of the bare-metal guest `bench-work` (`guests/bench-work.c`; ring 3 runs "
+        "natively on this PVM host) and natively on the host (`bench/hostbench.c`, the same "
+        "header compiled with the guests' code-generation flags), timed with RDTSC in both: "
+        f"an integer loop (10^8 iterations of one dependent LCG/xor chain), a 256 MiB memmove "
+        "between two buffers touched beforehand (`rep movsb`), and the first touch of 256 MiB "
+        "of fresh memory, one write per 4 KiB page (new memory each repetition). Guest: "
+        f"{wl['memory_mib']} MiB of RAM, `{wl['cmdline']}`, under ferrovm and QEMU microvm. "
+        "Page sizes matter here: the guest maps its RAM with 2 MiB pages and both VMMs back "
+        "guest RAM with transparent huge pages, so the host's memmove buffers are advised "
+        "`MADV_HUGEPAGE` too, and its first touch is measured both ways — 4 KiB pages (a "
+        "program that does not ask for huge pages) and `MADV_HUGEPAGE` (like the VMMs' guest "
+        "RAM; the ratios of the summary use this one). Each run is preceded by "
+        f"`hostbench prime` (see §4) and starts with the first touch. {res['config']['work_reps']} "
+        f"repetitions per run, {len(rounds)} interleaved rounds; ratios > 1 mean the guest is "
+        "slower.\n")
+    out.append("| workload | host | ferrovm guest | QEMU guest | ferrovm / host | QEMU / host | ferrovm / QEMU |")
+    out.append("| --- | --- | --- | --- | --- | --- | --- |")
+    summary = {}
+    for name, label, unit, scale in WORKS:
+        h, f, q = (per_unit(e, name, scale) for e in envs)
+        inv = scale is None  # throughput: ratio of times = inverse ratio of rates
+        def rr(a, b, a_env, b_env):  # noqa: E306
+            per = []
+            for r in rounds:
+                x, y = per_unit(a_env, name, scale, r), per_unit(b_env, name, scale, r)
+                if x and y:
+                    per.append(med(y) / med(x) if inv else med(x) / med(y))
+            if inv:
+                return ratio(b, a, per)
+            return ratio(a, b, per)
+        if name == "touch":  # against host memory with huge pages, as both VMMs back guest RAM
+            summary[name] = med(f) / med(per_unit("host", "touch-thp", scale))
+        else:
+            summary[name] = (med(f) / med(h)) if not inv else (med(h) / med(f))
+        digits = 3 if name == "intloop" else 2
+        out.append(f"| {label} ({unit}) | {fig(h, digits)} | {fig(f, digits)} | {fig(q, digits)} | "
+                   f"{rr(f, h, 'ferrovm', 'host')} | {rr(q, h, 'qemu-microvm', 'host')} | "
+                   f"{rr(f, q, 'ferrovm', 'qemu-microvm')} |")
+        if name == "touch":
+            ht = per_unit("host", "touch-thp", scale)
+            out.append(f"| first touch, host memory advised MADV_HUGEPAGE like both VMMs' guest RAM "
+                       f"(µs per 4 KiB page) | {fig(ht, 2)} | | | {ratio(f, ht)} | {ratio(q, ht)} | |")
+    out.append("")
+    out.append("For memmove the ratios compare times (host GB/s ÷ guest GB/s).\n")
+    os_rows = [(n, l, u) for n, l, u in (("getpid", "getpid", 1e9), ("fork-wait", "fork + wait", 1e6),
+                                          ("write-fsync", "4 KiB write + fsync", 1e6))]
+    out.append("What needs an operating system (host only here, `hostbench os 3 /var/tmp`; see "
+               "[Guest against host on a hardware-virtualization host](#guest-against-host-on-a-hardware-virtualization-host)):\n")
+    out.append("| workload | host |")
+    out.append("| --- | --- |")
+    for n, l, scale in os_rows:
+        xs = per_unit("host", n, scale)
+        unit = "ns" if scale == 1e9 else "µs"
+        out.append(f"| {l} | {fig(xs, 1, unit)} per call |")
+    out.append("")
+    fig_, ax = plt.subplots(figsize=(6.5, 3.6))
+    groups = ["integer loop", "memmove 256 MiB", "first touch"]
+    series = {}
+    for e in ("ferrovm", "qemu-microvm"):
+        series[e] = []
+        for name, _, _, scale in WORKS:
+            per = []
+            for r in rounds:
+                x, y = per_unit(e, name, scale, r), per_unit("host", name, scale, r)
+                if x and y:
+                    per.append(med(y) / med(x) if scale is None else med(x) / med(y))
+            series[e].append(per)
+    grouped_bars(ax, groups, series, ["ferrovm", "qemu-microvm"], "guest time / host time",
+                 fmt="{:.2f}")
+    ax.axhline(1, color="black", lw=0.8)
+    ax.set_title("Guest (ring 3) against host, per-round ratios (median, min–max)", fontsize=9)
+    fig_.tight_layout()
+    fig_.savefig(docs / "bench-workloads.png", dpi=110)
+    plt.close(fig_)
+    out.append("![guest against host](bench-workloads.png)\n")
+    return summary
+
+
+def main():
+    results = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "target/bench/results.json"
+    docs = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs"
+    res = json.loads(results.read_text())
+    m = res["machine"]
+    body = []
+    s_start = startup_section(res, docs, body) if "startup" in res else None
+    s_exit = exits_section(res, docs, body) if "exits" in res else None
+    s_mem = memory_section(res, docs, body) if "memory" in res else None
+    s_mig = migration_section(res, docs, body) if "migration" in res else None
+    s_work = workloads_section(res, docs, body) if "workloads" in res else None
+
+    head = ["# Benchmarks\n"]
+    head.append(
+        "ferrovm side by side with QEMU and with a raw KVM_RUN loop (the floor the kernel "
+        "allows), measured in one run of `make bench` on one machine. Every figure is the "
+        "median over its runs with [min–max]; every comparison is a ratio of two medians from "
+        "the same run, with [min–max] of the same ratio taken round by round where rounds pair "
+        "up. Runs are interleaved: each round runs every VMM once, in an order that rotates "
+        "between rounds. The performance targets are in `../shared/DESIGN.md`.\n")
+    if res.get("quick"):
+        head.append("**These figures come from `bench/bench.py --quick` (a smoke test: few rounds).**\n")
+    head.append("## The machine\n")
+    head.append("| | |\n| --- | --- |")
+    head.append(f"| CPUs | {m['nproc']} × {m['cpu']} (a VM itself, shared with other work) |")
+    head.append(f"| memory | {m['memory_gib']} GiB |")
+    head.append(f"| kernel | Linux {m['kernel']} |")
+    head.append(f"| KVM | `{m['kvm_backend']}`: KVM with the **PVM** backend (pagetable-based virtual machine), nested — "
+                "guest ring 3 runs natively, guest ring 0 is executed by instruction emulation; no VT-x/AMD-V |")
+    head.append(f"| TSC | {m['tsc_hz'] / 1e6:.0f} MHz (measured) |")
+    head.append(f"| transparent huge pages | `{m['thp']}` |")
+    head.append(f"| QEMU | {m['qemu']} (Debian `qemu-system-x86`) |")
+    head.append(f"| ferrovm | commit {m['ferrovm_commit']}, release build |")
+    head.append(f"| measured | {m['date']}; the whole run took {res.get('seconds', 0) / 60:.0f} min |")
+    head.append("")
+    head.append("## Summary against the targets\n")
+    head.append("| figure | ferrovm | QEMU | floor / reference | target (DESIGN.md) |")
+    head.append("| --- | --- | --- | --- | --- |")
+    if s_start:
+        f = s_start["ferrovm"]
+        raw = s_start.get("rawkvm")
+        head.append(f"| process start to first port write | {f:.1f} ms" + (f" ({f / raw:.1f}× floor)" if raw else "")
+                    + f" | microvm {s_start['qemu-microvm']:.0f} ms ({s_start['qemu-microvm'] / f:.1f}× ferrovm); "
+                    f"pc {s_start['qemu-pc'] / 1000:.2f} s ({s_start['qemu-pc'] / f:.0f}× ferrovm) | "
+                    + (f"raw loop {raw:.1f} ms" if raw else "") + " | ≤ 10 ms |")
+    if s_exit:
+        for (ring, test), label in (((0, "pio-out"), "PIO write, ring 0"), ((3, "pio-out"), "PIO write, ring 3"),
+                                     ((0, "mmio-read"), "MMIO read, ring 0"), ((3, "mmio-read"), "MMIO read, ring 3")):
+            r, f, q = s_exit[(ring, test)]
+            head.append(f"| exit round trip: {label} | {f:.2f} µs ({f / r:.2f}× floor) | {q:.2f} µs ({q / r:.2f}× floor) | "
+                        f"raw loop {r:.2f} µs | within 10% of the raw loop" + ("; below QEMU" if "MMIO" in label else "") + " |")
+    if s_mem:
+        head.append(f"| VMM memory beyond guest RAM (1 GiB guest) | {s_mem['ferrovm']:.1f} MiB | "
+                    f"microvm {s_mem.get('qemu-microvm', 0):.1f} MiB ({s_mem.get('qemu-microvm', 0) / s_mem['ferrovm']:.1f}× ferrovm); "
+                    f"pc {s_mem.get('qemu-pc', 0):.1f} MiB | | < 8 MiB |")
+    if s_mig:
+        for key, v in s_mig.items():
+            link, guest_, cmdline, gib = key
+            if not (v["ferrovm"] and v["qemu"]):
+                continue
+            kind = "idle" if guest_ == "migrate-idle" else f"dirtying {cmdline.split('=')[1]} MiB"
+            head.append(f"| migration {link}, {gib} GiB {kind}: total / guest pause (ferrovm: its downtime) | "
+                        f"{v['ferrovm']:.2f} s / {v['down']['ferrovm']:.1f} ms | "
+                        f"{v['qemu']:.2f} s / {v['down']['qemu']:.1f} ms | QEMU/ferrovm total {v['qemu'] / v['ferrovm']:.2f}× | "
+                        + ("downtime < 50 ms; ≥ 2× QEMU's throughput" if link == "loopback" else
+                           "wire time of the touched pages + 5%") + " |")
+    if s_work:
+        head.append(f"| guest (ring 3) / host time: integer loop, memmove, first touch (host with huge pages) | "
+                    f"{s_work['intloop']:.2f}×, {s_work['memmove']:.2f}×, {s_work['touch']:.2f}× | see §5 | host = 1 | — |")
+    head.append("")
+
+    tail = ["## Guest against host on a hardware-virtualization host\n"]
+    tail.append(
+        "On this PVM host an unmodified Linux kernel does not boot (DESIGN.md), so the "
+        "operating-system workloads run on the host only. On a VT-x / AMD-V host, run the same "
+        "harness in a Linux guest:\n")
+    tail.append(
+        "1. `make -C bench` builds `target/bench/hostbench`, statically linked: it runs "
+        "unchanged in any x86-64 Linux guest.\n"
+        "2. On the host: `target/bench/hostbench all 3 /var/tmp` — TSC rate, the three shared "
+        "workloads (integer loop, memmove, first touch, plus first touch with huge pages) and "
+        "the OS workloads: `getpid` (10^6 raw syscalls), `fork`+`wait` (500 children that exit "
+        "at once), 4 KiB `pwrite`+`fsync` (100, to a file in the directory given).\n"
+        "3. In the guest, either copy the binary into a running Linux guest and run the same "
+        "command (with the directory on the guest's disk), or boot it as the guest's init: "
+        "`bench/linux-initramfs.sh target/bench/hostbench.cpio` packs it as `/init` of an "
+        "initramfs, and\n\n"
+        "   ```\n"
+        "   target/release/ferrovm run --kernel bzImage --initrd target/bench/hostbench.cpio \\\n"
+        "       --memory 2G --cmdline \"console=ttyS0 quiet\"\n"
+        "   ```\n\n"
+        "   runs everything (as PID 1 it mounts `/proc` and a tmpfs on `/tmp`, writes to `/tmp`, "
+        "so `fsync` there measures tmpfs, not a disk) and powers the guest off.\n"
+        "4. Both print the same `work: <name> rep=<k> units=<n> cycles=<c>` lines with their own "
+        "`tsc_hz=`; divide guest by host per workload (cycles / units / tsc_hz).\n")
+    tail.append("## How to rerun\n")
+    tail.append(
+        "```\n"
+        "sudo make bench            # builds ferrovm, the guests and bench/'s C programs; installs\n"
+        "                           # qemu-system-x86 and python3-matplotlib if missing; runs\n"
+        "                           # bench/bench.py, then bench/report.py -> docs/benchmarks.md\n"
+        "sudo make bench BENCH_ARGS=--quick     # a smoke test: few rounds, about 2 minutes\n"
+        "sudo bench/run.sh --only exits,memory  # remeasure some sections, keep the others\n"
+        "bench/report.py                        # re-render from target/bench/results.json\n"
+        "```\n")
+    tail.append(
+        "Needs root (network namespaces and `tc` for the 1 Gbit/s link) and `/dev/kvm`. Every "
+        "sample is kept in `target/bench/results.json`. Rounds here: "
+        f"{res['config']['startup_rounds']} for start-up, {res['config']['exit_rounds']} boots × "
+        f"{res['config']['exit_reps']} for exits, {res['config']['memory_rounds']} for memory, "
+        f"{res['config']['work_rounds']} × {res['config']['work_reps']} for the workloads, and "
+        "for migration 3 runs per idle case and 2 per dirtying case, to keep `make bench` under "
+        "20 minutes on this 2-CPU machine.\n")
+    tail.append("## Files\n")
+    tail.append(
+        "| path | what |\n| --- | --- |\n"
+        "| `bench/run.sh` | `make bench`: dependencies, builds, `bench.py`, `report.py` |\n"
+        "| `bench/bench.py` | runs every measurement, writes `target/bench/results.json` |\n"
+        "| `bench/report.py` | this page and `docs/bench-*.png` from the results |\n"
+        "| `bench/rawkvm.c` | the raw KVM_RUN loop (the floor) |\n"
+        "| `bench/hostbench.c`, `bench/workloads.h`, `bench/workloads-host.c` | host side of guest against host; `prime` |\n"
+        "| `bench/qmp.py` | minimal QMP client for QEMU's migration |\n"
+        "| `bench/migration.sh` | ferrovm migration cases (also its own table, docs/migration.md) |\n"
+        "| `bench/linux-initramfs.sh` | `hostbench` as the `/init` of an initramfs |\n"
+        "| `guests/bench-start.c`, `guests/bench-exit.c`, `guests/bench-work.c` | the benchmark guests |\n")
+    text = "\n".join(head + body + tail)
+    notes = ROOT / "bench/notes.md"
+    if notes.exists():
+        # Hand-written reading of the figures (kept in bench/, spliced in before "How to rerun").
+        text = text.replace("## Guest against host on a hardware-virtualization host\n",
+                            notes.read_text().rstrip() + "\n\n## Guest against host on a hardware-virtualization host\n", 1)
+    (docs / "benchmarks.md").write_text(text.rstrip() + "\n")
+    print(f"wrote {docs / 'benchmarks.md'} and plots")
+
+
+if __name__ == "__main__":
+    main()
