@@ -419,21 +419,36 @@ def workloads_section(res, docs, out):
         out.append(f"| {l} | {fig(xs, 1, unit)} per call |")
     out.append("")
     fig_, ax = plt.subplots(figsize=(6.5, 3.6))
-    groups = ["integer loop", "memmove 256 MiB", "first touch"]
-    series = {}
-    for e in ("ferrovm", "qemu-microvm"):
-        series[e] = []
+    groups = ["integer loop", "memmove 256 MiB", "first touch\n(host: huge pages)"]
+    envs_g = ["ferrovm", "qemu-microvm"]
+    width = 0.8 / len(envs_g)
+    for i, e in enumerate(envs_g):
+        heights, lo, hi = [], [], []
         for name, _, _, scale in WORKS:
+            host_name = "touch-thp" if name == "touch" else name
+            g, h = per_unit(e, name, scale), per_unit("host", host_name, scale)
+            r = med(h) / med(g) if scale is None else med(g) / med(h)  # guest time / host time
             per = []
-            for r in rounds:
-                x, y = per_unit(e, name, scale, r), per_unit("host", name, scale, r)
+            for rnd in rounds:
+                x, y = per_unit(e, name, scale, rnd), per_unit("host", host_name, scale, rnd)
                 if x and y:
                     per.append(med(y) / med(x) if scale is None else med(x) / med(y))
-            series[e].append(per)
-    grouped_bars(ax, groups, series, ["ferrovm", "qemu-microvm"], "guest time / host time",
-                 fmt="{:.2f}")
+            heights.append(r)
+            lo.append(max(r - min(per), 0) if per else 0)
+            hi.append(max(max(per) - r, 0) if per else 0)
+        xs = [g + (i - (len(envs_g) - 1) / 2) * width for g in range(len(groups))]
+        bars = ax.bar(xs, heights, width, yerr=[lo, hi], capsize=3, color=COLORS[e], label=LABEL[e])
+        for bar_, val in zip(bars, heights):
+            ax.annotate(f"{val:.2f}", (bar_.get_x() + bar_.get_width() / 2, bar_.get_height()),
+                        ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel("guest time / host time")
+    ax.set_ylim(0, 1.6)
     ax.axhline(1, color="black", lw=0.8)
-    ax.set_title("Guest (ring 3) against host, per-round ratios (median, min–max)", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    ax.set_title("Guest (ring 3) against host: ratio of medians, per-round range", fontsize=9)
     fig_.tight_layout()
     fig_.savefig(docs / "bench-workloads.png", dpi=110)
     plt.close(fig_)
@@ -544,7 +559,8 @@ def main():
         "                           # bench/bench.py, then bench/report.py -> docs/benchmarks.md\n"
         "sudo make bench BENCH_ARGS=--quick     # a smoke test: few rounds, about 2 minutes\n"
         "sudo bench/run.sh --only exits,memory  # remeasure some sections, keep the others\n"
-        "bench/report.py                        # re-render from target/bench/results.json\n"
+        "/usr/bin/python3 bench/report.py       # re-render from target/bench/results.json\n"
+        "                                       # (any python3 with matplotlib)\n"
         "```\n")
     tail.append(
         "Needs root (network namespaces and `tc` for the 1 Gbit/s link) and `/dev/kvm`. Every "
@@ -552,8 +568,11 @@ def main():
         f"{res['config']['startup_rounds']} for start-up, {res['config']['exit_rounds']} boots × "
         f"{res['config']['exit_reps']} for exits, {res['config']['memory_rounds']} for memory, "
         f"{res['config']['work_rounds']} × {res['config']['work_reps']} for the workloads, and "
-        "for migration 3 runs per idle case and 2 per dirtying case, to keep `make bench` under "
-        "20 minutes on this 2-CPU machine.\n")
+        "for migration " + "; ".join(
+            f"{c['runs']} run{'s' if c['runs'] > 1 else ''} for {c['link']} "
+            f"{'idle ' + str(c['gib']) + ' GiB' if c['guest'] == 'migrate-idle' else 'dirtying ' + str(c['mib']) + ' MiB'}"
+            for c in res["config"]["migration_cases"])
+        + ", to keep `make bench` under 20 minutes on this 2-CPU machine.\n")
     tail.append("## Files\n")
     tail.append(
         "| path | what |\n| --- | --- |\n"

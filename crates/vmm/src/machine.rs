@@ -148,6 +148,10 @@ impl Machine {
             });
         }
         let vm = hv.create_vm()?;
+        // RAM before the interrupt controllers: on some hosts registering memory slots after
+        // KVM_CREATE_IRQCHIP costs milliseconds more (measured: 5–7 ms against 0.2 ms).
+        let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
+        let regions = memory::map_into_vm(&vm, &guest_memory)?;
         let extint = Arc::new(BspExtInt::default());
         let (irqchip, split): (Arc<dyn IrqChip>, Option<Arc<SplitIrqChip>>) = match config.irqchip {
             IrqChipKind::Kernel => {
@@ -173,8 +177,6 @@ impl Machine {
             }
         };
 
-        let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
-        let regions = memory::map_into_vm(&vm, &guest_memory)?;
         let entry = match kernel.as_mut() {
             Some(kernel) => Some(load_firmware_and_kernel(
                 config,
