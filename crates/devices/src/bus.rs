@@ -28,6 +28,26 @@ pub trait BusDevice: Send {
     fn write(&mut self, offset: u64, data: &[u8]);
 }
 
+/// Serves a wider access to a device of byte-wide registers as byte reads of consecutive
+/// offsets. Bytes whose offset would overflow read as all ones.
+pub fn read_bytewise(offset: u64, data: &mut [u8], mut read_byte: impl FnMut(u64) -> u8) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = match offset.checked_add(i as u64) {
+            Some(o) => read_byte(o),
+            None => 0xff,
+        };
+    }
+}
+
+/// The write counterpart of [`read_bytewise`]: byte writes to consecutive offsets, in order.
+pub fn write_bytewise(offset: u64, data: &[u8], mut write_byte: impl FnMut(u64, u8)) {
+    for (i, &v) in data.iter().enumerate() {
+        if let Some(o) = offset.checked_add(i as u64) {
+            write_byte(o, v);
+        }
+    }
+}
+
 /// Why a range could not be inserted into a [`Bus`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BusError {

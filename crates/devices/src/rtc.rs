@@ -31,7 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::bus::{Bus, BusDevice, BusError};
+use crate::bus::{read_bytewise, write_bytewise, Bus, BusDevice, BusError};
 use crate::irqchip::{IrqPin, TimerWaker};
 use crate::state::StateError;
 
@@ -673,21 +673,12 @@ impl BusDevice for Rtc {
     /// A wider access is split into byte accesses to consecutive ports.
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         let now = Instant::now();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = match offset.checked_add(i as u64) {
-                Some(o) => self.io_read(o, now),
-                None => 0xff,
-            };
-        }
+        read_bytewise(offset, data, |o| self.io_read(o, now));
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         let now = Instant::now();
-        for (i, &v) in data.iter().enumerate() {
-            if let Some(o) = offset.checked_add(i as u64) {
-                self.io_write(o, v, now);
-            }
-        }
+        write_bytewise(offset, data, |o, v| self.io_write(o, v, now));
     }
 }
 
