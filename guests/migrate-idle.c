@@ -209,16 +209,6 @@ static void ap_main(unsigned idx)
 		wait_tick(idx);
 }
 
-static bool in_ram(u64 base, u64 size)
-{
-	for (int i = 0; i < memmap_count(); i++) {
-		const struct mem_region *r = memmap_entry(i);
-		if (r->type == E820_RAM && r->addr <= base && base + size <= r->addr + r->size)
-			return true;
-	}
-	return false;
-}
-
 void guest_main(void)
 {
 	u64 mib = cmdline_uint("mib", 64);
@@ -245,7 +235,7 @@ void guest_main(void)
 	    base + size < base)
 		fail("region %lu MiB at 0x%lx: must be page-aligned, above the image (0x%lx) and below 0x%lx",
 		     mib, base, (u64)__image_end, MAP_LIMIT);
-	if (!in_ram(base, size))
+	if (!ram_covers(base, size))
 		fail("region %lu MiB at 0x%lx is not inside one RAM region (%lu MiB of RAM)",
 		     mib, base, ram_bytes() / MIB);
 	region_base = base;

@@ -143,6 +143,16 @@ u64 ram_bytes(void)
 	return sum;
 }
 
+bool ram_covers(u64 base, u64 size)
+{
+	for (int i = 0; i < nregions; i++) {
+		const struct mem_region *r = &regions[i];
+		if (r->type == E820_RAM && r->addr <= base && base + size <= r->addr + r->size)
+			return true;
+	}
+	return false;
+}
+
 bool parse_uint(const char *s, u64 *out, const char **end)
 {
 	u64 v = 0;

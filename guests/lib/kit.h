@@ -66,6 +66,7 @@ const char *boot_cmdline_raw(void);
 int memmap_count(void);
 const struct mem_region *memmap_entry(int i);
 u64 ram_bytes(void);			/* sum of type-1 regions */
+bool ram_covers(u64 base, u64 size);	/* [base, base+size) lies in one RAM region */
 
 /* Parses a decimal or 0x-prefixed hex number at s; false if no digits. */
 bool parse_uint(const char *s, u64 *out, const char **end);
