@@ -173,9 +173,9 @@ fn madt(cpus: u32) -> Vec<u8> {
     madt.as_slice().to_vec()
 }
 
-/// The DSDT: `\_S5_` and, under `\_SB_`, COM1 and the ACPI PM I/O ports as motherboard
-/// resources.
-fn dsdt() -> Vec<u8> {
+/// The DSDT: `\_S5_` and, under `\_SB_`, COM1 and the ACPI PM I/O ports (with the PM timer
+/// wherever it is) as motherboard resources.
+fn dsdt(pm_timer_port: u16) -> Vec<u8> {
     let s5 = aml::Name::new(
         "\\_S5_".into(),
         &aml::Package::new(vec![&S5_SLP_TYP, &S5_SLP_TYP, &aml::ZERO, &aml::ZERO]),
@@ -194,7 +194,12 @@ fn dsdt() -> Vec<u8> {
     let pm_hid = aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C02"));
     let pm_uid = aml::Name::new("_UID".into(), &aml::ONE);
     let pm_io = aml::IO::new(PM_IO_BASE, PM_IO_BASE, 1, PM_IO_LEN as u8);
-    let pm_crs = aml::Name::new("_CRS".into(), &aml::ResourceTemplate::new(vec![&pm_io]));
+    let timer_io = aml::IO::new(pm_timer_port, pm_timer_port, 1, PM_TMR_LEN);
+    let mut pm_resources: Vec<&dyn Aml> = vec![&pm_io];
+    if !(PM_IO_BASE..PM_IO_BASE + PM_IO_LEN).contains(&pm_timer_port) {
+        pm_resources.push(&timer_io);
+    }
+    let pm_crs = aml::Name::new("_CRS".into(), &aml::ResourceTemplate::new(pm_resources));
     let pm = aml::Device::new("PMIO".into(), vec![&pm_hid, &pm_uid, &pm_crs]);
 
     let sb = aml::Scope::new("\\_SB_".into(), vec![&com1, &pm]);
@@ -217,9 +222,10 @@ fn io_gas(port: u16, bytes: u8, access: AccessSize) -> GAS {
     )
 }
 
-/// The FADT (revision 6.5, 276 bytes): fixed hardware at [`PM_IO_BASE`], SCI on IRQ 9, both
-/// the 32-bit and the X_ forms of every address, reset through the i8042.
-fn fadt(dsdt_addr: u64, facs_addr: u64) -> Vec<u8> {
+/// The FADT (revision 6.5, 276 bytes): fixed hardware at [`PM_IO_BASE`] (the PM timer at
+/// `pm_timer_port`), SCI on IRQ 9, both the 32-bit and the X_ forms of every address, reset
+/// through the i8042.
+fn fadt(dsdt_addr: u64, facs_addr: u64, pm_timer_port: u16) -> Vec<u8> {
     let mut f = FADTBuilder::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION)
         .flag(Flags::Wbinvd)
         .flag(Flags::ProcC1)
@@ -233,13 +239,13 @@ fn fadt(dsdt_addr: u64, facs_addr: u64) -> Vec<u8> {
     f.sci_int = u16::from(SCI_IRQ).into();
     f.pm1a_evt_blk = u32::from(PM1A_EVT_BLK).into();
     f.pm1a_cnt_blk = u32::from(PM1A_CNT_BLK).into();
-    f.pm_tmr_blk = u32::from(PM_TMR_BLK).into();
+    f.pm_tmr_blk = u32::from(pm_timer_port).into();
     f.pm1_evt_len = PM1_EVT_LEN;
     f.pm1_cnt_len = PM1_CNT_LEN;
     f.pm_tmr_len = PM_TMR_LEN;
     f.x_pm1a_evt_blk = io_gas(PM1A_EVT_BLK, PM1_EVT_LEN, AccessSize::WordAccess);
     f.x_pm1a_cnt_blk = io_gas(PM1A_CNT_BLK, PM1_CNT_LEN, AccessSize::WordAccess);
-    f.x_pm_tmr_blk = io_gas(PM_TMR_BLK, PM_TMR_LEN, AccessSize::DwordAccess);
+    f.x_pm_tmr_blk = io_gas(pm_timer_port, PM_TMR_LEN, AccessSize::DwordAccess);
     f.p_lvl2_lat = C_STATE_NOT_SUPPORTED.into();
     f.p_lvl3_lat = C_STATE_NOT_SUPPORTED.into();
     f.iapc_boot_arch = (IAPC_LEGACY_DEVICES | IAPC_8042 | IAPC_VGA_NOT_PRESENT).into();
@@ -263,11 +269,13 @@ impl Placer {
 
 /// Writes the ACPI tables for `cpus` vCPUs into the BIOS area of `mem` (guest RAM of
 /// `mem_size` bytes laid out by [`crate::layout`]) and returns the RSDP's address
-/// ([`RSDP_ADDR`]), for [`crate::BootConfig::rsdp`].
+/// ([`RSDP_ADDR`]), for [`crate::BootConfig::rsdp`]. The FADT points at the PM timer on
+/// `pm_timer_port`: [`PM_TMR_BLK`] when the VMM provides it, the kernel's port otherwise.
 pub fn create_acpi_tables<M: GuestMemory + ?Sized>(
     mem: &M,
     cpus: u32,
     mem_size: u64,
+    pm_timer_port: u16,
 ) -> Result<u64, AcpiError> {
     if cpus == 0 || cpus > MAX_CPUS {
         return Err(AcpiError::CpuCount(cpus));
@@ -282,7 +290,7 @@ pub fn create_acpi_tables<M: GuestMemory + ?Sized>(
     }
 
     let madt = madt(cpus);
-    let dsdt = dsdt();
+    let dsdt = dsdt(pm_timer_port);
 
     let mut placer = Placer { next: RSDP_ADDR };
     let rsdp_addr = placer.place(Rsdp::len());
@@ -298,7 +306,7 @@ pub fn create_acpi_tables<M: GuestMemory + ?Sized>(
         });
     }
 
-    let fadt = fadt(dsdt_addr, facs_addr);
+    let fadt = fadt(dsdt_addr, facs_addr, pm_timer_port);
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     xsdt.add_entry(fadt_addr);
     xsdt.add_entry(madt_addr);
@@ -419,7 +427,7 @@ mod tests {
 
     fn build(cpus: u32) -> (GuestMemoryMmap, Tables) {
         let mem = guest_mem(128 * MIB);
-        let rsdp = create_acpi_tables(&mem, cpus, 128 * MIB).unwrap();
+        let rsdp = create_acpi_tables(&mem, cpus, 128 * MIB, PM_TMR_BLK).unwrap();
         let t = parse(&mem, rsdp);
         (mem, t)
     }
@@ -546,6 +554,27 @@ mod tests {
         assert!(find(&[0x47, 1, 0, 6, 0, 6, 1, 12]).is_some(), "IO 0x600");
     }
 
+    /// With the PM timer in the kernel (bhyve's port 0x408) the FADT points there and the
+    /// DSDT claims that port too; the PM1 blocks stay at 0x600.
+    #[test]
+    fn kernel_pm_timer_port() {
+        let mem = guest_mem(128 * MIB);
+        let rsdp = create_acpi_tables(&mem, 2, 128 * MIB, 0x408).unwrap();
+        let t = parse(&mem, rsdp);
+        let f = &t.fadt;
+        assert_eq!(u32_at(f, 76), 0x408, "PM_TMR_BLK");
+        assert_eq!(u64_at(f, 208 + 4), 0x408, "X_PM_TMR_BLK");
+        assert_eq!(u32_at(f, 56), 0x600, "PM1a_EVT_BLK");
+        let d = &t.dsdt;
+        let has = |needle: &[u8]| d.windows(needle.len()).any(|w| w == needle);
+        assert!(has(&[0x47, 1, 0x08, 4, 0x08, 4, 1, 4]), "IO 0x408/4");
+        assert!(has(&[0x47, 1, 0, 6, 0, 6, 1, 12]), "IO 0x600");
+        // The default layout claims no extra port.
+        let (_, t) = build(1);
+        let io_408 = [0x47, 1, 0x08, 4, 0x08, 4, 1, 4];
+        assert!(!t.dsdt.windows(8).any(|w| w == io_408));
+    }
+
     #[test]
     fn tables_do_not_overlap() {
         let (_, t) = build(MAX_CPUS);
@@ -568,23 +597,23 @@ mod tests {
     fn rejects_bad_input() {
         let mem = guest_mem(MIN_MEM_SIZE);
         assert!(matches!(
-            create_acpi_tables(&mem, 0, MIN_MEM_SIZE),
+            create_acpi_tables(&mem, 0, MIN_MEM_SIZE, PM_TMR_BLK),
             Err(AcpiError::CpuCount(0))
         ));
         assert!(matches!(
-            create_acpi_tables(&mem, MAX_CPUS + 1, MIN_MEM_SIZE),
+            create_acpi_tables(&mem, MAX_CPUS + 1, MIN_MEM_SIZE, PM_TMR_BLK),
             Err(AcpiError::CpuCount(255))
         ));
         assert!(matches!(
-            create_acpi_tables(&mem, 1, 0x9_fc00),
+            create_acpi_tables(&mem, 1, 0x9_fc00, PM_TMR_BLK),
             Err(AcpiError::AreaNotInRam { .. })
         ));
         // RAM that does not reach the area: the write fails rather than panicking.
         let small = guest_mem(0xe_0000);
-        let err = create_acpi_tables(&small, 1, MIN_MEM_SIZE).unwrap_err();
+        let err = create_acpi_tables(&small, 1, MIN_MEM_SIZE, PM_TMR_BLK).unwrap_err();
         assert!(matches!(err, AcpiError::GuestMemory { .. }), "{err}");
         assert_eq!(
-            create_acpi_tables(&mem, 1, MIN_MEM_SIZE).unwrap(),
+            create_acpi_tables(&mem, 1, MIN_MEM_SIZE, PM_TMR_BLK).unwrap(),
             RSDP_ADDR
         );
     }

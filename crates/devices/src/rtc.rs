@@ -229,6 +229,33 @@ fn from_bcd(v: u8) -> u32 {
     u32::from(v >> 4) * 10 + u32::from(v & 0xf)
 }
 
+/// The CMOS bytes that report guest RAM as a PC BIOS (and QEMU) writes them, as
+/// `(index, value)`: base memory in KiB (0x15-0x16), memory above 1 MiB in KiB up to
+/// 64 MiB (0x17-0x18, 0x30-0x31), memory between 16 MiB and 4 GiB in 64 KiB units
+/// (0x34-0x35), memory above 4 GiB in 64 KiB units (0x5b-0x5d). Also what a kernel-modelled
+/// RTC is given (bhyve).
+pub fn cmos_memory_sizes(below_4g: u64, above_4g: u64) -> Vec<(u8, u8)> {
+    const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * KIB;
+    let base = (below_4g / KIB).min(640);
+    let ext = (below_4g.saturating_sub(MIB) / KIB).min(0xffff);
+    let high = (below_4g.saturating_sub(16 * MIB) / (64 * KIB)).min(0xffff);
+    let above = (above_4g / (64 * KIB)).min(0xff_ffff);
+    let mut bytes = Vec::with_capacity(11);
+    for (index, value, len) in [
+        (0x15u8, base, 2u8),
+        (0x17, ext, 2),
+        (0x30, ext, 2),
+        (0x34, high, 2),
+        (0x5b, above, 3),
+    ] {
+        for k in 0..len {
+            bytes.push((index + k, (value >> (8 * k)) as u8));
+        }
+    }
+    bytes
+}
+
 /// The MC146818 RTC with CMOS RAM.
 pub struct Rtc {
     s: RtcState,
@@ -315,28 +342,12 @@ impl Rtc {
         }
     }
 
-    /// Fills in the memory sizes as a PC BIOS (and QEMU) reports them:
-    /// base memory in KiB (0x15-0x16), memory above 1 MiB in KiB up to
-    /// 64 MiB (0x17-0x18, 0x30-0x31), memory between 16 MiB and 4 GiB in
-    /// 64 KiB units (0x34-0x35), memory above 4 GiB in 64 KiB units
-    /// (0x5b-0x5d).
+    /// Fills in the memory sizes as a PC BIOS (and QEMU) reports them (see
+    /// [`cmos_memory_sizes`]).
     pub fn set_memory_sizes(&mut self, below_4g: u64, above_4g: u64) {
-        const KIB: u64 = 1024;
-        const MIB: u64 = 1024 * KIB;
-        let base = (below_4g / KIB).min(640);
-        let ext = (below_4g.saturating_sub(MIB) / KIB).min(0xffff);
-        let high = (below_4g.saturating_sub(16 * MIB) / (64 * KIB)).min(0xffff);
-        let above = (above_4g / (64 * KIB)).min(0xff_ffff);
-        let mut put = |i: usize, v: u64, n: usize| {
-            for k in 0..n {
-                self.s.cmos[i + k] = (v >> (8 * k)) as u8;
-            }
-        };
-        put(0x15, base, 2);
-        put(0x17, ext, 2);
-        put(0x30, ext, 2);
-        put(0x34, high, 2);
-        put(0x5b, above, 3);
+        for (index, value) in cmos_memory_sizes(below_4g, above_4g) {
+            self.s.cmos[usize::from(index)] = value;
+        }
     }
 
     /// When the next enabled interrupt (periodic, update-ended or alarm

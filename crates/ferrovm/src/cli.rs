@@ -245,6 +245,14 @@ pub fn print_accel(args: &AccelArgs) -> anyhow::Result<()> {
         "posted interrupts:         {}",
         maybe(caps.posted_interrupts)
     );
+    println!("in-kernel RTC:             {}", yes_no(caps.rtc_in_kernel));
+    println!(
+        "in-kernel ACPI PM timer:   {}",
+        match caps.pm_timer_port {
+            Some(port) => format!("yes, port {port:#x}"),
+            None => "no (ferrovm provides it)".into(),
+        }
+    );
     Ok(())
 }
 

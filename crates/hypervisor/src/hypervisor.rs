@@ -52,6 +52,12 @@ pub struct Capabilities {
     /// APIC-register virtualization (VMX APICv / AMD AVIC).
     pub apic_virtualization: Option<bool>,
     pub posted_interrupts: Option<bool>,
+    /// The kernel models the MC146818 RTC/CMOS at ports 0x70-0x71 (bhyve); otherwise the
+    /// VMM provides it.
+    pub rtc_in_kernel: bool,
+    /// I/O port of an ACPI PM timer the kernel models (bhyve: 0x408), for the FADT to point
+    /// at; `None` when the VMM provides the PM timer.
+    pub pm_timer_port: Option<u16>,
 }
 
 /// The accelerator: reports its capabilities and creates VMs.

@@ -135,4 +135,9 @@ pub trait Vm: Send + Sync {
     /// Restores what `irqchip_state` returned (on a VM whose irqchip was created in kernel
     /// mode, before its vCPUs run). Malformed or foreign state is refused with an error.
     fn set_irqchip_state(&self, state: &IrqChipState) -> Result<()>;
+
+    /// Where the kernel models the RTC (`Capabilities::rtc_in_kernel`): sets its clock to
+    /// `unix_secs` and writes `(offset, value)` bytes of its CMOS RAM, as firmware would
+    /// (memory sizes). An error on kernels without an RTC.
+    fn init_kernel_rtc(&self, unix_secs: i64, cmos: &[(u8, u8)]) -> Result<()>;
 }

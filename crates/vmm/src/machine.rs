@@ -9,7 +9,7 @@ use std::sync::Arc;
 use devices::acpi_pm::AcpiPm;
 use devices::bus::{Bus, IoDispatcher};
 use devices::debug_exit::DebugExit;
-use devices::exit::{ExitReason, ExitRequest};
+use devices::exit::{ExitReason, ExitRequest, Waker};
 use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
 use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
@@ -17,7 +17,6 @@ use devices::pit::Pit;
 use devices::rtc::Rtc;
 use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{open_accelerator, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu};
-use vmm_sys_util::eventfd::EventFd;
 
 use crate::api::{Api, MachineInfo, SocketGuard};
 use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
@@ -183,6 +182,7 @@ impl Machine {
                 &guest_memory,
                 kernel,
                 initrd.as_mut(),
+                caps.pm_timer_port,
             )?),
             // Restored or incoming RAM already holds the firmware tables and the kernel.
             None => None,
@@ -190,8 +190,19 @@ impl Machine {
 
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
-        let (pio, mmio, timers, device_handles) =
-            build_buses(config, &exit, &irqchip, split.as_ref(), &timer_wake)?;
+        let (pio, mmio, timers, device_handles) = build_buses(
+            config,
+            &exit,
+            &irqchip,
+            split.as_ref(),
+            &timer_wake,
+            caps.rtc_in_kernel,
+        )?;
+        if caps.rtc_in_kernel && entry.is_some() {
+            // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
+            // would write (a restore brings them back with the kernel's state instead).
+            vm.init_kernel_rtc(unix_now_secs(), &rtc_memory_sizes(config.memory))?;
+        }
         let context = Arc::new(VcpuContext {
             pio: Arc::new(IoDispatcher::new("pio", Arc::new(pio))),
             mmio: Arc::new(IoDispatcher::new("mmio", Arc::new(mmio))),
@@ -363,12 +374,15 @@ fn load_firmware_and_kernel(
     guest_memory: &GuestMemory,
     kernel: &mut File,
     initrd: Option<&mut File>,
+    kernel_pm_timer: Option<u16>,
 ) -> Result<boot::BootEntry> {
     let StartFrom::Kernel(path) = &config.start else {
         return Err(Error::Devices("no kernel to load".into()));
     };
     let firmware_err = |e: String| Error::Firmware(e);
-    let rsdp = boot::acpi::create_acpi_tables(guest_memory, config.cpus, config.memory)
+    // The FADT points at the kernel's PM timer when it has one (bhyve), else at ferrovm's.
+    let pm_timer = kernel_pm_timer.unwrap_or(boot::acpi::PM_TMR_BLK);
+    let rsdp = boot::acpi::create_acpi_tables(guest_memory, config.cpus, config.memory, pm_timer)
         .map_err(|e| firmware_err(e.to_string()))?;
     boot::mptable::create_mptable(guest_memory, config.cpus)
         .map_err(|e| firmware_err(e.to_string()))?;
@@ -412,12 +426,24 @@ fn stop_vcpus(context: &VcpuContext, threads: Vec<VcpuThread>) -> Vec<Error> {
     failures
 }
 
+fn rtc_memory_sizes(memory: u64) -> Vec<(u8, u8)> {
+    let below_4g = memory.min(boot::layout::MMIO_HOLE_START);
+    devices::rtc::cmos_memory_sizes(below_4g, memory - below_4g)
+}
+
+fn unix_now_secs() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
 fn build_buses(
     config: &VmConfig,
     exit: &Arc<ExitRequest>,
     irqchip: &Arc<dyn IrqChip>,
     split: Option<&Arc<SplitIrqChip>>,
     timer_wake: &Arc<TimerWake>,
+    rtc_in_kernel: bool,
 ) -> Result<(Bus, Bus, TimerDevices, DeviceHandles)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
     let mut pio = Bus::new();
@@ -429,11 +455,16 @@ fn build_buses(
         model.set_waker(timer_wake.clone());
         pit = Some(model.register(&mut pio).map_err(devices_err)?);
     }
-    let mut rtc = Rtc::new(IrqPin::new(irqchip.clone(), RTC_IRQ));
-    rtc.set_waker(timer_wake.clone());
-    let below_4g = config.memory.min(boot::layout::MMIO_HOLE_START);
-    rtc.set_memory_sizes(below_4g, config.memory - below_4g);
-    let rtc = rtc.register(&mut pio).map_err(devices_err)?;
+    // Where the kernel owns ports 0x70-0x71 (bhyve), a model here would never be reached.
+    let rtc = if rtc_in_kernel {
+        None
+    } else {
+        let mut rtc = Rtc::new(IrqPin::new(irqchip.clone(), RTC_IRQ));
+        rtc.set_waker(timer_wake.clone());
+        let below_4g = config.memory.min(boot::layout::MMIO_HOLE_START);
+        rtc.set_memory_sizes(below_4g, config.memory - below_4g);
+        Some(rtc.register(&mut pio).map_err(devices_err)?)
+    };
     let sink = match &config.serial {
         SerialOutput::Stdio => SerialSink::Stdout,
         SerialOutput::File(path) => SerialSink::File(path.clone()),
@@ -547,31 +578,52 @@ fn rip_sample_period() -> Option<i32> {
 /// SIGINT and SIGTERM turned into a readable descriptor the main loop polls beside the
 /// guest's exit requests.
 struct SignalWatch {
-    event: EventFd,
+    waker: Waker,
 }
 
-static SIGNAL_EVENT_FD: AtomicI32 = AtomicI32::new(-1);
+/// The `Waker::wake_fd` of the live `SignalWatch`, or -1.
+static SIGNAL_WAKE_FD: AtomicI32 = AtomicI32::new(-1);
 static LAST_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+type SignalHandler = extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void);
 
 extern "C" fn on_stop_signal(signo: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     LAST_SIGNAL.store(signo, Ordering::SeqCst);
-    let fd = SIGNAL_EVENT_FD.load(Ordering::SeqCst);
+    let fd = SIGNAL_WAKE_FD.load(Ordering::SeqCst);
     if fd >= 0 {
         let one: u64 = 1;
-        // SAFETY: write(2) on an eventfd with an 8-byte buffer is async-signal-safe.
+        // SAFETY: write(2) of an 8-byte local is async-signal-safe; an 8-byte 1 is what a
+        // `Waker::wake_fd` takes.
         unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
     }
 }
 
+/// Installs `handler` for `signo`, all signals blocked while it runs. Done with sigaction
+/// directly: vmm-sys-util's helper exists on Linux only.
+fn install_signal_handler(signo: libc::c_int, handler: SignalHandler) -> std::io::Result<()> {
+    // SAFETY: an all-zero sigaction is a valid value to fill in, and the pointers passed are
+    // to that live local; the handler makes only async-signal-safe calls.
+    let rc = unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = handler as usize;
+        action.sa_flags = libc::SA_SIGINFO;
+        libc::sigfillset(&mut action.sa_mask);
+        libc::sigaction(signo, &action, std::ptr::null_mut())
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 impl SignalWatch {
     fn install() -> Result<Self> {
-        let event = EventFd::new(libc::EFD_NONBLOCK)?;
-        SIGNAL_EVENT_FD.store(event.as_raw_fd(), Ordering::SeqCst);
+        let waker = Waker::new()?;
+        SIGNAL_WAKE_FD.store(waker.wake_fd(), Ordering::SeqCst);
         for signo in [libc::SIGINT, libc::SIGTERM] {
-            vmm_sys_util::signal::register_signal_handler(signo, on_stop_signal)
-                .map_err(|e| Error::Io(std::io::Error::from_raw_os_error(e.errno())))?;
+            install_signal_handler(signo, on_stop_signal)?;
         }
-        Ok(SignalWatch { event })
+        Ok(SignalWatch { waker })
     }
 
     /// Blocks until the guest asks to stop or a stop signal arrives.
@@ -596,7 +648,7 @@ impl SignalWatch {
                     revents: 0,
                 },
                 libc::pollfd {
-                    fd: self.event.as_raw_fd(),
+                    fd: self.waker.poll_fd(),
                     events: libc::POLLIN,
                     revents: 0,
                 },
@@ -620,6 +672,6 @@ impl SignalWatch {
 
 impl Drop for SignalWatch {
     fn drop(&mut self) {
-        SIGNAL_EVENT_FD.store(-1, Ordering::SeqCst);
+        SIGNAL_WAKE_FD.store(-1, Ordering::SeqCst);
     }
 }

@@ -22,7 +22,8 @@ pub struct DeviceHandles {
     pub i8042: Arc<Mutex<I8042>>,
     pub fw_cfg: Arc<Mutex<FwCfg>>,
     pub acpi_pm: Arc<Mutex<AcpiPm>>,
-    pub rtc: Arc<Mutex<Rtc>>,
+    /// Absent where the kernel models the RTC (bhyve).
+    pub rtc: Option<Arc<Mutex<Rtc>>>,
     /// Split irqchip mode only.
     pub pit: Option<Arc<Mutex<Pit>>>,
     pub split: Option<Arc<SplitIrqChip>>,
@@ -34,7 +35,9 @@ pub struct DevicesState {
     pub i8042: I8042State,
     pub fw_cfg: FwCfgState,
     pub acpi_pm: AcpiPmState,
-    pub rtc: RtcState,
+    /// `None` where the kernel models the RTC; its state travels with the kernel's.
+    #[serde(default)]
+    pub rtc: Option<RtcState>,
     pub pit: Option<PitState>,
     pub split_irqchip: Option<SplitIrqChipState>,
 }
@@ -63,7 +66,7 @@ impl DeviceHandles {
             i8042: lock(&self.i8042).state(),
             fw_cfg: lock(&self.fw_cfg).state(),
             acpi_pm: lock(&self.acpi_pm).state(),
-            rtc: lock(&self.rtc).state(),
+            rtc: self.rtc.as_ref().map(|r| lock(r).state()),
             pit: self.pit.as_ref().map(|p| lock(p).state()),
             split_irqchip: self.split.as_ref().map(|s| s.state()),
         }
@@ -82,9 +85,15 @@ impl DeviceHandles {
         lock(&self.acpi_pm)
             .restore(&state.acpi_pm)
             .map_err(|e| restore_err("ACPI PM", e))?;
-        lock(&self.rtc)
-            .restore(&state.rtc)
-            .map_err(|e| restore_err("RTC", e))?;
+        match (&self.rtc, &state.rtc) {
+            (Some(rtc), Some(s)) => lock(rtc).restore(s).map_err(|e| restore_err("RTC", e))?,
+            (None, None) => {}
+            _ => {
+                return Err(Error::State(
+                    "the RTC state is from an accelerator that models it elsewhere".into(),
+                ))
+            }
+        }
         match (&self.pit, &state.pit) {
             (Some(pit), Some(s)) => lock(pit).restore(s).map_err(|e| restore_err("PIT", e))?,
             (None, None) => {}

@@ -33,7 +33,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct TimerDevices {
     /// Only in split mode; the in-kernel PIT drives IRQ 0 otherwise.
     pub pit: Option<Arc<Mutex<Pit>>>,
-    pub rtc: Arc<Mutex<Rtc>>,
+    /// Absent where the kernel models the RTC.
+    pub rtc: Option<Arc<Mutex<Rtc>>>,
     pub irqchip: Arc<dyn IrqChip>,
     pub wake: Arc<TimerWake>,
 }
@@ -68,7 +69,10 @@ fn run(devices: TimerDevices, stop: &AtomicBool) {
             .pit
             .as_ref()
             .and_then(|p| lock(p).next_irq_deadline());
-        let rtc_deadline = lock(&devices.rtc).next_irq_deadline();
+        let rtc_deadline = devices
+            .rtc
+            .as_ref()
+            .and_then(|r| lock(r).next_irq_deadline());
         let deadline = match (pit_deadline, rtc_deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -99,6 +103,8 @@ fn run(devices: TimerDevices, stop: &AtomicBool) {
             }
         }
         // The RTC raises and lowers IRQ 8 itself.
-        lock(&devices.rtc).on_timer(now);
+        if let Some(rtc) = &devices.rtc {
+            lock(rtc).on_timer(now);
+        }
     }
 }

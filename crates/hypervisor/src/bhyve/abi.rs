@@ -111,7 +111,12 @@ pub mod iocnum {
     pub const ACTIVATE_CPU: u8 = 90;
     pub const SUSPEND_CPU: u8 = 92;
     pub const RESUME_CPU: u8 = 93;
+    pub const RTC_WRITE: u8 = 101;
+    pub const RTC_SETTIME: u8 = 102;
 }
+
+/// Port of the kernel's ACPI PM timer (`IO_PMTMR`, sys/amd64/vmm/io/vpmtmr.h, FreeBSD 11-15).
+pub const IO_PMTMR: u16 = 0x408;
 
 // --- argument structures -----------------------------------------------------------------
 
@@ -258,6 +263,23 @@ pub struct VmCapability {
 #[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct VmInt {
     pub value: i32,
+}
+
+/// `struct vm_rtc_data` (8 bytes: `int offset; uint8_t value;` and padding), the argument of
+/// `VM_RTC_WRITE` (vmm_dev.h, FreeBSD 10-15): one byte of the kernel RTC's CMOS RAM.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
+pub struct VmRtcData {
+    pub offset: i32,
+    pub value: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `struct vm_rtc_time` (8 bytes: `time_t secs`), the argument of `VM_RTC_SETTIME`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
+pub struct VmRtcTime {
+    pub secs: i64,
 }
 
 /// `struct vm_lapic_irq` (8 bytes).
@@ -407,6 +429,8 @@ pub const VM_ISA_DEASSERT_IRQ: u64 = iow::<VmIsaIrq>(VM, iocnum::ISA_DEASSERT_IR
 pub const VM_ACTIVATE_CPU: u64 = iow::<VmInt>(VM, iocnum::ACTIVATE_CPU);
 pub const VM_SUSPEND_CPU: u64 = iow::<VmInt>(VM, iocnum::SUSPEND_CPU);
 pub const VM_RESUME_CPU: u64 = iow::<VmInt>(VM, iocnum::RESUME_CPU);
+pub const VM_RTC_WRITE: u64 = iow::<VmRtcData>(VM, iocnum::RTC_WRITE);
+pub const VM_RTC_SETTIME: u64 = iow::<VmRtcTime>(VM, iocnum::RTC_SETTIME);
 pub const VMMCTL_VM_CREATE: u64 = iowr::<VmmctlVm>(VMMCTL, 0);
 pub const VMMCTL_VM_DESTROY: u64 = iowr::<VmmctlVm>(VMMCTL, 1);
 
@@ -448,6 +472,8 @@ pub fn ioctl_name(request: u64) -> &'static str {
         (VM_ACTIVATE_CPU, "VM_ACTIVATE_CPU"),
         (VM_SUSPEND_CPU, "VM_SUSPEND_CPU"),
         (VM_RESUME_CPU, "VM_RESUME_CPU"),
+        (VM_RTC_WRITE, "VM_RTC_WRITE"),
+        (VM_RTC_SETTIME, "VM_RTC_SETTIME"),
         (VMMCTL_VM_CREATE, "VMMCTL_VM_CREATE"),
         (VMMCTL_VM_DESTROY, "VMMCTL_VM_DESTROY"),
     ];
@@ -703,6 +729,8 @@ mod tests {
             (VM_GLA2GPA_NOFAULT, 0xC038_7612, "VM_GLA2GPA_NOFAULT"),
             (VM_GET_INTINFO, 0xC018_761C, "VM_GET_INTINFO"),
             (VM_SET_INTINFO, 0x8018_761D, "VM_SET_INTINFO"),
+            (VM_RTC_WRITE, 0x8008_7665, "VM_RTC_WRITE"),
+            (VM_RTC_SETTIME, 0x8008_7666, "VM_RTC_SETTIME"),
         ];
         for &(computed, expected, name) in table {
             assert_eq!(
@@ -715,6 +743,9 @@ mod tests {
     #[test]
     fn struct_sizes() {
         assert_eq!(size_of::<VmRegister>(), 16);
+        assert_eq!(size_of::<VmRtcData>(), 8);
+        assert_eq!(offset_of!(VmRtcData, value), 4);
+        assert_eq!(size_of::<VmRtcTime>(), 8);
         assert_eq!(size_of::<SegDesc>(), 16);
         assert_eq!(size_of::<VmSegDesc>(), 24);
         assert_eq!(size_of::<VmRegisterSet>(), 24);

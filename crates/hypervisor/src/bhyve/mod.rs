@@ -208,6 +208,10 @@ impl Hypervisor for BhyveHypervisor {
             tpr_shadow: host.tpr_shadow,
             apic_virtualization: host.apic_virtualization,
             posted_interrupts: host.posted_interrupts,
+            // vmm_ioport.c (FreeBSD 11 to 15) serves the RTC at 0x70-0x71 and the PM timer
+            // at IO_PMTMR (vpmtmr.h) in the kernel.
+            rtc_in_kernel: true,
+            pm_timer_port: Some(abi::IO_PMTMR),
         }
     }
 

@@ -892,3 +892,37 @@ fn what_bhyve_cannot_do_is_refused_clearly() {
         }])
         .is_err());
 }
+
+#[test]
+fn kernel_rtc_gets_time_and_cmos_bytes() {
+    let s = setup(Abi::FreeBsd14);
+    let caps =
+        BhyveHypervisor::with_control(s.control.clone(), BhyveOptions::default()).capabilities();
+    assert!(caps.rtc_in_kernel);
+    assert_eq!(caps.pm_timer_port, Some(0x408));
+    s.kernel.clear_calls();
+    s.vm.init_kernel_rtc(1_700_000_000, &[(0x34, 0xf0), (0x35, 0x0f)])
+        .unwrap();
+    let calls = s.kernel.calls();
+    assert_eq!(calls.len(), 3);
+    assert_eq!(calls[0].request, abi::VM_RTC_SETTIME);
+    let t: abi::VmRtcTime = zerocopy::FromBytes::read_from_bytes(&calls[0].arg[..]).unwrap();
+    assert_eq!(t.secs, 1_700_000_000);
+    let bytes: Vec<(i32, u8)> = calls[1..]
+        .iter()
+        .map(|c| {
+            assert_eq!(c.request, abi::VM_RTC_WRITE);
+            let d: abi::VmRtcData = zerocopy::FromBytes::read_from_bytes(&c.arg[..]).unwrap();
+            (d.offset, d.value)
+        })
+        .collect();
+    assert_eq!(bytes, [(0x34, 0xf0), (0x35, 0x0f)]);
+    // A kernel that refuses the write is reported, not ignored.
+    s.kernel
+        .fail
+        .lock()
+        .unwrap()
+        .insert(abi::VM_RTC_WRITE, libc::EINVAL);
+    let err = s.vm.init_kernel_rtc(0, &[(0x34, 1)]).unwrap_err();
+    assert!(err.to_string().contains("VM_RTC_WRITE"), "{err}");
+}

@@ -652,6 +652,22 @@ impl Vm for BhyveVm {
         Ok(())
     }
 
+    fn init_kernel_rtc(&self, unix_secs: i64, cmos: &[(u8, u8)]) -> Result<()> {
+        self.shared
+            .ioctl(abi::VM_RTC_SETTIME, &mut abi::VmRtcTime { secs: unix_secs })?;
+        for &(offset, value) in cmos {
+            self.shared.ioctl(
+                abi::VM_RTC_WRITE,
+                &mut abi::VmRtcData {
+                    offset: i32::from(offset),
+                    value,
+                    ..Default::default()
+                },
+            )?;
+        }
+        Ok(())
+    }
+
     fn irqchip_state(&self) -> Result<IrqChipState> {
         unsupported(
             "saving the in-kernel 8259/IOAPIC/PIT",

@@ -157,6 +157,9 @@ impl Hypervisor for KvmHypervisor {
             tpr_shadow,
             apic_virtualization: apicv,
             posted_interrupts: posted,
+            // KVM has no in-kernel RTC or PM timer: user space provides both.
+            rtc_in_kernel: false,
+            pm_timer_port: None,
         }
     }
 
@@ -567,6 +570,12 @@ impl Vm for KvmVm {
             ..Default::default()
         };
         self.fd.set_clock(&c).map_err(ioctl_err("KVM_SET_CLOCK"))
+    }
+
+    fn init_kernel_rtc(&self, _unix_secs: i64, _cmos: &[(u8, u8)]) -> Result<()> {
+        Err(HypervisorError::Unsupported(
+            "KVM has no in-kernel RTC (the VMM models it)".into(),
+        ))
     }
 }
 
