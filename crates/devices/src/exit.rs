@@ -75,43 +75,58 @@ impl ExitReason {
 }
 
 /// Wakes a poller through a file descriptor. An eventfd on Linux; elsewhere
-/// (FreeBSD) a socket pair, which every Unix has.
+/// (FreeBSD) a socket pair, which every Unix has. Once woken, the poll
+/// descriptor stays readable: nothing here drains it.
 #[cfg(any(target_os = "linux", target_os = "android"))]
-struct Waker(vmm_sys_util::eventfd::EventFd);
+pub struct Waker(vmm_sys_util::eventfd::EventFd);
 
 #[cfg(any(target_os = "linux", target_os = "android"))]
 impl Waker {
-    fn new() -> io::Result<Self> {
+    pub fn new() -> io::Result<Self> {
         vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK).map(Waker)
     }
-    fn wake(&self) -> io::Result<()> {
+    pub fn wake(&self) -> io::Result<()> {
         self.0.write(1)
     }
-    fn fd(&self) -> RawFd {
+    /// The descriptor to poll for readability.
+    pub fn poll_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+    /// For a signal handler, which cannot call [`Waker::wake`]: writing an
+    /// 8-byte native-endian 1 here (the eventfd format; the socket takes
+    /// any bytes) wakes the poller, and write(2) is async-signal-safe.
+    pub fn wake_fd(&self) -> RawFd {
         self.0.as_raw_fd()
     }
 }
 
 #[cfg(all(unix, not(any(target_os = "linux", target_os = "android"))))]
-struct Waker {
+pub struct Waker {
     reader: std::os::unix::net::UnixStream,
     writer: std::os::unix::net::UnixStream,
 }
 
 #[cfg(all(unix, not(any(target_os = "linux", target_os = "android"))))]
 impl Waker {
-    fn new() -> io::Result<Self> {
+    pub fn new() -> io::Result<Self> {
         let (reader, writer) = std::os::unix::net::UnixStream::pair()?;
         reader.set_nonblocking(true)?;
         writer.set_nonblocking(true)?;
         Ok(Waker { reader, writer })
     }
-    fn wake(&self) -> io::Result<()> {
+    pub fn wake(&self) -> io::Result<()> {
         use std::io::Write;
         (&self.writer).write_all(&[1])
     }
-    fn fd(&self) -> RawFd {
+    /// The descriptor to poll for readability.
+    pub fn poll_fd(&self) -> RawFd {
         self.reader.as_raw_fd()
+    }
+    /// For a signal handler, which cannot call [`Waker::wake`]: writing an
+    /// 8-byte native-endian 1 here (the eventfd format; the socket takes
+    /// any bytes) wakes the poller, and write(2) is async-signal-safe.
+    pub fn wake_fd(&self) -> RawFd {
+        self.writer.as_raw_fd()
     }
 }
 
@@ -212,7 +227,7 @@ impl ExitRequest {
 #[cfg(unix)]
 impl AsRawFd for ExitRequest {
     fn as_raw_fd(&self) -> RawFd {
-        self.waker.fd()
+        self.waker.poll_fd()
     }
 }
 

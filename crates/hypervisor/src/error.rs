@@ -17,7 +17,9 @@ pub enum HypervisorError {
 pub type Result<T> = std::result::Result<T, HypervisorError>;
 
 impl HypervisorError {
-    /// Wraps a kvm-ioctls / vmm-sys-util errno with the name of the operation.
+    /// Wraps a kvm-ioctls / vmm-sys-util errno with the name of the operation (the KVM
+    /// backend's errors; bhyve's ioctls report `io::Error`s).
+    #[cfg(target_os = "linux")]
     pub(crate) fn ioctl(op: &'static str, errno: vmm_sys_util::errno::Error) -> Self {
         HypervisorError::Ioctl {
             op,

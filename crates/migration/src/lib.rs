@@ -1,10 +1,10 @@
 //! Snapshot/restore and live migration for ferrovm: a versioned, framed, checksummed stream
 //! of guest memory and device/vCPU state, touched-page discovery, and the pre-copy engine.
 //!
-//! The crate is generic: the VMM plugs in guest RAM ([`GuestRam`], implemented for
-//! `vm_memory::GuestMemoryMmap`), the dirty log ([`DirtySource`]) and control of the VM
-//! ([`VmControl`]); the device/vCPU state is an opaque blob. The stream format is described
-//! byte by byte in `docs/migration.md`.
+//! The crate is generic: the VMM plugs in guest RAM ([`GuestRam`], implemented for vm-memory
+//! collections of [`HostMappedRegion`]s such as `GuestMemoryMmap`), the dirty log
+//! ([`DirtySource`]) and control of the VM ([`VmControl`]); the device/vCPU state is an
+//! opaque blob. The stream format is described byte by byte in `docs/migration.md`.
 //!
 //! - source: [`migrate`] (live, with a reply channel) or [`snapshot`] (to a file);
 //! - destination: [`receive`] (then restore, resume, and `ack`) or [`restore_from`].
@@ -28,7 +28,7 @@ pub use precopy::{
     migrate, snapshot, DirtySource, MigrationParams, MigrationReport, Phase, Progress, RoundStats,
     SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
 };
-pub use ram::{GuestRam, RamRange, RamRegion, PAGE_SIZE};
+pub use ram::{GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
 pub use receive::{
     receive, restore_from, AckSender, IncomingReport, IncomingResult, IncomingRound, Restored,
 };

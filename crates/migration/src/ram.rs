@@ -2,7 +2,9 @@
 //! host mapping.
 
 use serde::{Deserialize, Serialize};
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress};
+use vm_memory::{
+    GuestMemoryBackend, GuestMemoryRegion, GuestRegionCollection, MemoryRegionAddress,
+};
 
 use crate::error::{Error, Result};
 
@@ -36,10 +38,33 @@ pub unsafe trait GuestRam {
     fn regions(&self) -> Vec<RamRegion>;
 }
 
-// SAFETY: a `GuestMemoryMmap` owns its mappings (through `Arc<MmapRegion>`) for as long as it
-// lives, so the host addresses stay valid while it is borrowed; its regions are kept sorted by
-// guest address, so the order is stable.
-unsafe impl<B: vm_memory::bitmap::Bitmap> GuestRam for GuestMemoryMmap<B> {
+/// A vm-memory region backed by one host mapping that the region owns. Guest memory made of
+/// such regions (a `GuestRegionCollection`, e.g. vm-memory's `GuestMemoryMmap`) is
+/// [`GuestRam`].
+///
+/// # Safety
+///
+/// An implementation guarantees that when `get_host_address(MemoryRegionAddress(0))`
+/// succeeds, it returns the start of a mapping of `len()` bytes, readable, and writable when
+/// `is_writable` is true, that stays mapped at that address for as long as the region lives.
+pub unsafe trait HostMappedRegion: GuestMemoryRegion {
+    /// Whether the mapping may be written (needed on the receiving side).
+    fn is_writable(&self) -> bool;
+}
+
+// SAFETY: a `GuestRegionMmap` owns its mapping (through `Arc<MmapRegion>`) of `len()` bytes,
+// mapped with the protection `prot()` reports.
+#[cfg(target_os = "linux")]
+unsafe impl<B: vm_memory::bitmap::Bitmap> HostMappedRegion for vm_memory::GuestRegionMmap<B> {
+    fn is_writable(&self) -> bool {
+        self.get_mmap().prot() & libc::PROT_WRITE != 0
+    }
+}
+
+// SAFETY: the collection holds its regions (through `Arc`) for as long as it lives, so by the
+// `HostMappedRegion` contract the host addresses stay valid while it is borrowed; its regions
+// are kept sorted by guest address, so the order is stable.
+unsafe impl<R: HostMappedRegion> GuestRam for GuestRegionCollection<R> {
     fn regions(&self) -> Vec<RamRegion> {
         self.iter()
             .filter_map(|r| {
@@ -48,7 +73,7 @@ unsafe impl<B: vm_memory::bitmap::Bitmap> GuestRam for GuestMemoryMmap<B> {
                     guest_addr: r.start_addr().0,
                     size: r.len(),
                     host_ptr,
-                    writable: r.get_mmap().prot() & libc::PROT_WRITE != 0,
+                    writable: r.is_writable(),
                 })
             })
             .collect()

@@ -1,23 +1,63 @@
 //! Guest RAM: anonymous, not reserved up front, advised for transparent huge pages, wired
 //! only on request.
 
+mod anon;
+
 use std::sync::Arc;
 
 use hypervisor::{MemoryRegion, Vm};
-use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap};
+use vm_memory::{
+    GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionCollection, MemoryRegionAddress,
+};
 
 use crate::config::MIB;
 use crate::error::{Error, Result};
 
-pub type GuestMemory = GuestMemoryMmap<()>;
+pub use anon::AnonRegion;
+
+/// One region of guest RAM: vm-memory's mmap region on Linux; elsewhere [`AnonRegion`], as
+/// vm-memory's mmap backend builds on Linux only.
+#[cfg(target_os = "linux")]
+pub type GuestRegion = vm_memory::GuestRegionMmap<()>;
+#[cfg(not(target_os = "linux"))]
+pub type GuestRegion = AnonRegion;
+
+/// All of guest RAM (on Linux, vm-memory's `GuestMemoryMmap`).
+pub type GuestMemory = GuestRegionCollection<GuestRegion>;
 
 /// Total RAM of the host, from /proc/meminfo.
+#[cfg(target_os = "linux")]
 pub fn host_memory_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// Total RAM of the host, from the `hw.physmem` sysctl.
+#[cfg(target_os = "freebsd")]
+pub fn host_memory_bytes() -> Option<u64> {
+    // An unsigned long, 64 bits on the 64-bit hosts vm-memory supports.
+    let mut bytes: u64 = 0;
+    let mut len = std::mem::size_of_val(&bytes);
+    // SAFETY: the kernel writes at most `len` bytes to `bytes` and sets nothing (no new value
+    // is passed).
+    let rc = unsafe {
+        libc::sysctlbyname(
+            c"hw.physmem".as_ptr(),
+            (&raw mut bytes).cast(),
+            &mut len,
+            std::ptr::null(),
+            0,
+        )
+    };
+    (rc == 0 && len == std::mem::size_of_val(&bytes)).then_some(bytes)
+}
+
+/// Unknown on other hosts: sizes are then not checked against it.
+#[cfg(not(any(target_os = "linux", target_os = "freebsd")))]
+pub fn host_memory_bytes() -> Option<u64> {
+    None
 }
 
 /// Refuses sizes that cannot make a working guest on this host.
@@ -50,23 +90,45 @@ pub fn create_guest_memory(size: u64, wired: bool) -> Result<GuestMemory> {
     let mut regions = Vec::new();
     for (base, len) in boot::layout::ram_regions(size) {
         let len = usize::try_from(len).map_err(|_| Error::Memory("region too large".into()))?;
-        // MAP_NORESERVE: a large guest costs only the pages it touches.
-        let mapping = MmapRegionBuilder::new(len)
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
-            .build()
-            .map_err(|e| Error::Memory(format!("mapping {} MiB: {e}", len as u64 / MIB)))?;
-        advise_huge_pages(mapping.as_ptr(), len);
+        let region = map_region(base, len)?;
+        let host_addr = region
+            .get_host_address(MemoryRegionAddress(0))
+            .map_err(|e| Error::Memory(e.to_string()))?;
+        advise_huge_pages(host_addr, len);
         if wired {
-            wire(mapping.as_ptr(), len)?;
+            wire(host_addr, len)?;
         }
-        let region = GuestRegionMmap::new(mapping, base)
-            .ok_or_else(|| Error::Memory(format!("region at {:#x} overflows", base.0)))?;
         regions.push(region);
     }
-    GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))
+    GuestMemory::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))
 }
 
+#[cfg(target_os = "linux")]
+fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
+    // MAP_NORESERVE: a large guest costs only the pages it touches.
+    let mapping = vm_memory::mmap::MmapRegionBuilder::new(len)
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
+        .build()
+        .map_err(|e| Error::Memory(format!("mapping {} MiB: {e}", len as u64 / MIB)))?;
+    GuestRegion::new(mapping, base)
+        .ok_or_else(|| Error::Memory(format!("region at {:#x} overflows", base.0)))
+}
+
+/// FreeBSD overcommits anonymous memory (and has no MAP_NORESERVE): a large guest costs only
+/// the pages it touches.
+#[cfg(not(target_os = "linux"))]
+fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
+    AnonRegion::new(base, len).map_err(|e| {
+        Error::Memory(format!(
+            "mapping {} MiB at {:#x}: {e}",
+            len as u64 / MIB,
+            base.0
+        ))
+    })
+}
+
+#[cfg(target_os = "linux")]
 fn advise_huge_pages(addr: *mut u8, len: usize) {
     // SAFETY: the range is a mapping this process just created; madvise only changes how the
     // kernel backs it.
@@ -79,6 +141,10 @@ fn advise_huge_pages(addr: *mut u8, len: usize) {
         );
     }
 }
+
+/// FreeBSD promotes anonymous memory to superpages on its own; there is nothing to ask.
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages(_addr: *mut u8, _len: usize) {}
 
 fn wire(addr: *mut u8, len: usize) -> Result<()> {
     // SAFETY: the range is a mapping this process owns; mlock faults it in and pins it.
@@ -98,7 +164,7 @@ pub fn map_into_vm(vm: &Arc<dyn Vm>, memory: &GuestMemory) -> Result<Vec<MemoryR
     let mut regions = Vec::new();
     for (slot, region) in memory.iter().enumerate() {
         let host_addr = region
-            .get_host_address(vm_memory::MemoryRegionAddress(0))
+            .get_host_address(MemoryRegionAddress(0))
             .map_err(|e| Error::Memory(e.to_string()))?;
         // The mapping is owned by `memory`, which the machine keeps alive for as long as the
         // VM exists.
@@ -120,7 +186,6 @@ pub fn map_into_vm(vm: &Arc<dyn Vm>, memory: &GuestMemory) -> Result<Vec<MemoryR
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::GuestAddress;
 
     #[test]
     fn sizes_are_validated() {
