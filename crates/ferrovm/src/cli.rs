@@ -191,7 +191,14 @@ pub fn print_accel(args: &AccelArgs) -> anyhow::Result<()> {
         AccelArg::Bhyve => AccelKind::Bhyve,
     };
     let hv = hypervisor::open_accelerator(kind).context("accelerator")?;
-    let caps = hv.capabilities();
+    let mut caps = hv.capabilities();
+    if caps.kernel_snapshot.is_none() {
+        // Only a VM can tell (bhyve probes VM_SNAPSHOT_REQ when one is created): make one
+        // and let it go again.
+        if hv.create_vm().is_ok() {
+            caps = hv.capabilities();
+        }
+    }
     if args.json {
         println!("{}", serde_json::to_string(&caps)?);
         return Ok(());
@@ -236,6 +243,17 @@ pub fn print_accel(args: &AccelArgs) -> anyhow::Result<()> {
         yes_no(caps.xcrs)
     );
     println!("TSC control:               {}", yes_no(caps.tsc_control));
+    println!(
+        "snapshot, warm migration:  {}",
+        match caps.kernel_snapshot {
+            Some(true) => "yes",
+            Some(false) if caps.accelerator == "bhyve" => {
+                "no (needs a kernel built with `options BHYVE_SNAPSHOT`)"
+            }
+            Some(false) => "no (the kernel cannot save its VM state)",
+            None => "unknown (no VM could be created to ask the kernel)",
+        }
+    );
     println!("TPR shadowing:             {}", maybe(caps.tpr_shadow));
     println!(
         "APIC virtualization:       {}",

@@ -43,10 +43,20 @@ pub struct Capabilities {
     pub x2apic_api: bool,
     pub user_space_msr: bool,
     pub immediate_exit: bool,
+    /// The vCPU ioctls read and write the XSAVE area, the XCRs and the pending events.
+    /// Where the kernel has no such ioctl (bhyve: no FPU, XSAVE, XCR or LAPIC access), the
+    /// vCPU answers `HypervisorError::Unsupported`, `save_vcpu_state` leaves the part out,
+    /// and a snapshot carries what the kernel saves of it in the VM's kernel state
+    /// (`Vm::irqchip_state`).
     pub xsave: bool,
     pub xcrs: bool,
     pub vcpu_events: bool,
     pub tsc_control: bool,
+    /// The kernel can save and restore its own VM state (`Vm::irqchip_state`), which
+    /// snapshots and warm and live migration need. KVM: always. bhyve: only a kernel built
+    /// with `options BHYVE_SNAPSHOT` (VM_SNAPSHOT_REQ); `None` until a VM has been created,
+    /// since the probe needs one.
+    pub kernel_snapshot: Option<bool>,
     /// TPR writes are absorbed by hardware (VMX TPR shadow / flexpriority, or AVIC).
     pub tpr_shadow: Option<bool>,
     /// APIC-register virtualization (VMX APICv / AMD AVIC).

@@ -26,4 +26,4 @@ pub use hypervisor::{open_accelerator, AccelKind, Capabilities, Hypervisor};
 pub use kick::VcpuKicker;
 pub use state::{restore_vcpu_state, save_vcpu_state, VcpuState, SNAPSHOT_MSRS};
 pub use vcpu::{Vcpu, VcpuExit};
-pub use vm::{ClockData, IrqChipMode, IrqChipState, MemoryRegion, MsiMessage, Vm};
+pub use vm::{ClockData, IrqChipMode, IrqChipState, KernelBlob, MemoryRegion, MsiMessage, Vm};

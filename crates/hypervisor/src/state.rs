@@ -1,10 +1,16 @@
 //! The whole state of a vCPU, for snapshots and live migration, and the order in which it
 //! is saved and restored. Backend-neutral: it works through the [`Vcpu`] trait.
 //!
-//! Machine-level order on restore (the caller's side): create the VM and its irqchip,
-//! restore the irqchip state (`Vm::set_irqchip_state`, kernel mode) or the user-space
-//! controllers (split mode), map and fill guest memory, create every vCPU and
-//! [`restore_vcpu_state`] it, `Vm::set_clock`, then start the vCPUs.
+//! Machine-level order on restore (the caller's side): create the VM and its irqchip, map
+//! and fill guest memory, create every vCPU, restore the kernel's VM state
+//! (`Vm::set_irqchip_state`, kernel mode; on bhyve that includes the vCPUs' VMCS/VMCB and
+//! LAPICs, so the vCPUs must exist) or the user-space controllers (split mode),
+//! [`restore_vcpu_state`] each vCPU, `Vm::set_clock`, then start the vCPUs.
+//!
+//! Parts a backend cannot read or write through its vCPU ioctls (the vCPU answers
+//! `HypervisorError::Unsupported`: bhyve's FPU/XSAVE area, XCRs and LAPIC) are left out of
+//! the [`VcpuState`] and skipped on restore; the backend carries what its kernel saves of
+//! them in `Vm::irqchip_state`.
 
 use serde::{Deserialize, Serialize};
 
@@ -88,13 +94,17 @@ pub struct VcpuState {
     pub regs: StandardRegisters,
     pub sregs: SpecialRegisters,
     /// x87/SSE state; restored only when there is no XSAVE area (which contains it).
-    pub fpu: FpuState,
+    /// `None` from a backend without an FPU ioctl (bhyve).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fpu: Option<FpuState>,
     /// The XSAVE area; `None` from a kernel that cannot provide it.
     pub xsave: Option<XsaveState>,
     /// Extended control registers (XCR0); empty from a kernel without XCR support.
     pub xcrs: Vec<Xcr>,
-    /// The in-kernel local APIC (both irqchip modes keep it in the kernel).
-    pub lapic: LapicState,
+    /// The in-kernel local APIC (both irqchip modes keep it in the kernel). `None` from a
+    /// backend whose LAPIC travels in the VM's kernel state instead (bhyve).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lapic: Option<LapicState>,
     /// Restored with IA32_TSC first and IA32_TSC_DEADLINE last, whatever the order here.
     pub msrs: Vec<MsrEntry>,
     pub vcpu_events: VcpuEvents,
@@ -109,11 +119,13 @@ impl VcpuState {
     /// restore with an error of its own.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(HypervisorError::Invalid(format!("vCPU state: {what}")));
-        if self.lapic.regs.len() != LAPIC_REGS_SIZE {
-            return bad(format!(
-                "LAPIC page of {} bytes (expected {LAPIC_REGS_SIZE})",
-                self.lapic.regs.len()
-            ));
+        if let Some(lapic) = &self.lapic {
+            if lapic.regs.len() != LAPIC_REGS_SIZE {
+                return bad(format!(
+                    "LAPIC page of {} bytes (expected {LAPIC_REGS_SIZE})",
+                    lapic.regs.len()
+                ));
+            }
         }
         if self.xcrs.len() > MAX_XCRS {
             return bad(format!("{} XCRs", self.xcrs.len()));
@@ -186,16 +198,21 @@ fn msrs_in_restore_order(msrs: &[MsrEntry]) -> Vec<MsrEntry> {
 /// `msr_indices` is normally `Hypervisor::msr_index_list()`; [`SNAPSHOT_MSRS`] are added.
 /// MSRs the vCPU cannot read are left out.
 ///
+/// The FPU, XSAVE area, XCRs and LAPIC are left out when the vCPU answers
+/// `HypervisorError::Unsupported` for them: the backend has no vCPU ioctl for that part
+/// (bhyve, whose kernel saves it with the VM's state, `Vm::irqchip_state`). Any other
+/// error fails the save.
+///
 /// Order: MP state first (reading it makes KVM process a pending INIT/SIPI, which changes
 /// the rest), the vCPU events last (the other GETs may still move an event along).
 pub fn save_vcpu_state(vcpu: &dyn Vcpu, msr_indices: &[u32]) -> Result<VcpuState> {
     let mp_state = vcpu.mp_state()?;
     let regs = vcpu.regs()?;
     let sregs = vcpu.sregs()?;
-    let fpu = vcpu.fpu()?;
-    let xsave = vcpu.xsave()?;
-    let xcrs = vcpu.xcrs()?;
-    let lapic = vcpu.lapic()?;
+    let fpu = unless_unsupported(vcpu.fpu())?;
+    let xsave = unless_unsupported(vcpu.xsave())?;
+    let xcrs = unless_unsupported(vcpu.xcrs())?.unwrap_or_default();
+    let lapic = unless_unsupported(vcpu.lapic())?;
     let cpuid = vcpu.cpuid()?;
     let msrs = vcpu.msrs(&msrs_to_read(msr_indices))?;
     let vcpu_events = vcpu.vcpu_events()?;
@@ -205,12 +222,21 @@ pub fn save_vcpu_state(vcpu: &dyn Vcpu, msr_indices: &[u32]) -> Result<VcpuState
         regs,
         sregs,
         fpu,
-        xsave: Some(xsave),
+        xsave,
         xcrs,
         lapic,
         msrs,
         vcpu_events,
     })
+}
+
+/// `None` for a part the backend says it has no vCPU ioctl for.
+fn unless_unsupported<T>(part: Result<T>) -> Result<Option<T>> {
+    match part {
+        Ok(v) => Ok(Some(v)),
+        Err(HypervisorError::Unsupported(_)) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Loads `state` into a vCPU that has not run yet (normally a new one, on a new VM).
@@ -228,6 +254,10 @@ pub fn save_vcpu_state(vcpu: &dyn Vcpu, msr_indices: &[u32]) -> Result<VcpuState
 /// 5. XSAVE area (or the FPU without it), then XCR0;
 /// 6. LAPIC: before the MSRs, because the TSC deadline MSR is only taken when the LAPIC
 ///    timer is already in TSC-deadline mode;
+///
+/// (parts the state does not carry, because the saving backend had no vCPU ioctl for
+/// them, are skipped and stay as the vCPU has them: on bhyve, `Vm::set_irqchip_state` has
+/// already put them back);
 /// 7. MSRs, TSC first and TSC deadline last;
 /// 8. vCPU events last: pending/injected exception, interrupt, NMI and SIPI, which the
 ///    earlier calls may have cleared.
@@ -239,14 +269,17 @@ pub fn restore_vcpu_state(vcpu: &dyn Vcpu, state: &VcpuState) -> Result<()> {
     vcpu.set_mp_state(state.mp_state)?;
     vcpu.set_regs(&state.regs)?;
     vcpu.set_sregs(&state.sregs)?;
-    match &state.xsave {
-        Some(xsave) => vcpu.set_xsave(xsave)?,
-        None => vcpu.set_fpu(&state.fpu)?,
+    match (&state.xsave, &state.fpu) {
+        (Some(xsave), _) => vcpu.set_xsave(xsave)?,
+        (None, Some(fpu)) => vcpu.set_fpu(fpu)?,
+        (None, None) => {}
     }
     if !state.xcrs.is_empty() {
         vcpu.set_xcrs(&state.xcrs)?;
     }
-    vcpu.set_lapic(&state.lapic)?;
+    if let Some(lapic) = &state.lapic {
+        vcpu.set_lapic(lapic)?;
+    }
     vcpu.set_msrs(&msrs_in_restore_order(&state.msrs))?;
     vcpu.set_vcpu_events(&state.vcpu_events)
 }
@@ -282,8 +315,12 @@ mod tests {
     #[test]
     fn validation_refuses_malformed_state() {
         assert!(VcpuState::default().validate().is_ok());
-        let mut s = VcpuState::default();
-        s.lapic.regs.truncate(100);
+        let mut s = VcpuState {
+            lapic: Some(LapicState::default()),
+            ..Default::default()
+        };
+        assert!(s.validate().is_ok());
+        s.lapic.as_mut().unwrap().regs.truncate(100);
         assert!(s.validate().is_err());
         let mut s = VcpuState::default();
         s.sregs.cs.dpl = 4;
@@ -312,6 +349,18 @@ mod tests {
         let json = serde_json::to_string(&s).unwrap();
         assert_eq!(serde_json::from_str::<VcpuState>(&json).unwrap(), s);
         assert!(serde_json::from_str::<VcpuState>("{\"regs\": 5}").is_err());
+        // With FPU and LAPIC (KVM's), the fields keep the names and shapes KVM snapshots
+        // have always had; without them (bhyve's), the state round-trips too.
+        s.fpu = Some(FpuState::default());
+        s.lapic = Some(LapicState::default());
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(json.contains("\"fpu\":{\"fpr\":"), "{json}");
+        assert!(json.contains("\"lapic\":{\"regs\":["), "{json}");
+        assert_eq!(serde_json::from_str::<VcpuState>(&json).unwrap(), s);
+        let bare = VcpuState::default();
+        let json = serde_json::to_string(&bare).unwrap();
+        assert!(!json.contains("fpu") && !json.contains("lapic"), "{json}");
+        assert_eq!(serde_json::from_str::<VcpuState>(&json).unwrap(), bare);
         assert!(serde_json::from_str::<VcpuState>(&json[..json.len() / 2]).is_err());
     }
 }

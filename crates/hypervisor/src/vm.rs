@@ -47,21 +47,36 @@ pub struct ClockData {
     pub flags: u32,
 }
 
-/// The state of the in-kernel PIC pair, IOAPIC and PIT (`IrqChipMode::Kernel`), for
-/// snapshots and migration.
+/// The state the kernel keeps for the VM itself (`IrqChipMode::Kernel`), for snapshots and
+/// migration: the in-kernel PIC pair, IOAPIC and PIT, and on backends whose kernel keeps
+/// more than that (bhyve) everything it saves for the VM.
 ///
 /// The blobs are the backend's own structures, opaque above this crate: they only restore
-/// on the backend named in `backend` (KVM: `kvm_pic_state` ×2, `kvm_ioapic_state` and
-/// `kvm_pit_state2`, native endianness). `Vm::set_irqchip_state` checks their sizes and the
-/// fields the kernel would otherwise take on trust, and refuses anything else.
+/// on the backend named in `backend`. KVM fills the four chip fields (`kvm_pic_state` ×2,
+/// `kvm_ioapic_state` and `kvm_pit_state2`, native endianness) and no named blobs. bhyve
+/// leaves the chip fields empty and fills `blobs` with the structures vmm.ko saves through
+/// VM_SNAPSHOT_REQ (the HPET, the VM and its vCPUs' VMCS/VMCB and local APICs, IOAPIC, PIT,
+/// PIC, PM timer, RTC). `Vm::set_irqchip_state` checks names, sizes and the fields the
+/// kernel would otherwise take on trust, and refuses anything else.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IrqChipState {
-    /// Which backend produced the blobs (`"kvm"`).
+    /// Which backend produced the blobs (`"kvm"`, `"bhyve"`).
     pub backend: String,
     pub pic_master: Vec<u8>,
     pub pic_slave: Vec<u8>,
     pub ioapic: Vec<u8>,
     pub pit: Vec<u8>,
+    /// Further kernel structures, named and in the order the backend restores them. Absent
+    /// from KVM's state (which serialises exactly as before this field existed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blobs: Vec<KernelBlob>,
+}
+
+/// One named kernel structure of an [`IrqChipState`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelBlob {
+    pub name: String,
+    pub data: Vec<u8>,
 }
 
 /// One virtual machine. Shared by every vCPU thread, so every method takes `&self` and
@@ -128,12 +143,16 @@ pub trait Vm: Send + Sync {
     fn clock(&self) -> Result<ClockData>;
     fn set_clock(&self, clock: &ClockData) -> Result<()>;
 
-    /// Kernel irqchip mode: the in-kernel PIC pair, IOAPIC and PIT. Take it with every vCPU
-    /// stopped. An error in split mode (there is nothing in the kernel to save but the
-    /// LAPICs, which travel with each vCPU).
+    /// Kernel irqchip mode: the in-kernel PIC pair, IOAPIC and PIT, and whatever else the
+    /// backend's kernel saves for the VM (see [`IrqChipState`]). Take it with every vCPU
+    /// stopped and after each vCPU's own state was read (`save_vcpu_state`). An error in
+    /// split mode (there is nothing in the kernel to save but the LAPICs, which travel with
+    /// each vCPU), and where the kernel cannot save its state
+    /// (`Capabilities::kernel_snapshot`).
     fn irqchip_state(&self) -> Result<IrqChipState>;
     /// Restores what `irqchip_state` returned (on a VM whose irqchip was created in kernel
-    /// mode, before its vCPUs run). Malformed or foreign state is refused with an error.
+    /// mode and whose vCPUs all exist but have not run; then `restore_vcpu_state` each).
+    /// Malformed or foreign state is refused with an error.
     fn set_irqchip_state(&self, state: &IrqChipState) -> Result<()>;
 
     /// Where the kernel models the RTC (`Capabilities::rtc_in_kernel`): sets its clock to

@@ -231,6 +231,11 @@ impl Machine {
             exit: context.exit.clone(),
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
+            // bhyve knows only once a VM exists (VM_SNAPSHOT_REQ is probed on creation).
+            kernel_snapshot: caps
+                .kernel_snapshot
+                .or_else(|| hv.capabilities().kernel_snapshot)
+                != Some(false),
         });
         let api = match &config.api_socket {
             Some(path) => {

@@ -46,6 +46,10 @@ pub struct Core {
     /// Whether the accelerator tracks dirty pages (upstream bhyve does not): without it only
     /// warm migration is possible.
     pub dirty_tracking: bool,
+    /// Whether the kernel can save its own VM state (`Capabilities::kernel_snapshot`;
+    /// bhyve: only kernels built with `options BHYVE_SNAPSHOT`). Without it, snapshots and
+    /// migrations are refused before the guest is paused.
+    pub kernel_snapshot: bool,
 }
 
 /// The migration config of a machine: what the destination must match.
@@ -71,6 +75,16 @@ pub fn migration_config(
 }
 
 impl Core {
+    /// Fails, with the accelerator's own explanation, when the kernel cannot save the
+    /// VM's in-kernel state: checked before a snapshot or migration pauses anything.
+    fn check_kernel_state(&self) -> Result<()> {
+        if self.kernel_irqchip && !self.kernel_snapshot {
+            // The backend knows it cannot and answers at once, naming what is missing.
+            self.vm.irqchip_state()?;
+        }
+        Ok(())
+    }
+
     fn machine_state(&self, vcpus: Vec<VcpuState>) -> Result<MachineState> {
         Ok(MachineState {
             vcpus,
@@ -135,6 +149,7 @@ fn progress_json(p: &Progress) -> Value {
 
 impl MachineOps for Core {
     fn snapshot(&self, path: &Path) -> Result<Value> {
+        self.check_kernel_state()?;
         let started = Instant::now();
         let file = File::create(path).map_err(|e| Error::File {
             path: path.to_path_buf(),
@@ -165,6 +180,8 @@ impl MachineOps for Core {
 
     fn migrate(&self, request: &MigrateRequest, progress: &mut dyn FnMut(Value)) -> Result<Value> {
         let addr = parse_tcp(&request.destination, "destination")?;
+        self.check_kernel_state()
+            .map_err(|e| Error::Migration(format!("{e} (the guest keeps running here)")))?;
         let stream = connect(&addr)?;
         stream.set_write_timeout(Some(PEER_TIMEOUT))?;
         stream.set_read_timeout(Some(PEER_TIMEOUT))?;

@@ -113,6 +113,9 @@ pub mod iocnum {
     pub const RESUME_CPU: u8 = 93;
     pub const RTC_WRITE: u8 = 101;
     pub const RTC_SETTIME: u8 = 102;
+    /// `IOCNUM_SNAPSHOT_REQ` and `IOCNUM_RESTORE_TIME` ("checkpoint", 13.x-15.x).
+    pub const SNAPSHOT_REQ: u8 = 113;
+    pub const RESTORE_TIME: u8 = 115;
 }
 
 /// Port of the kernel's ACPI PM timer (`IO_PMTMR`, sys/amd64/vmm/io/vpmtmr.h, FreeBSD 11-15).
@@ -474,6 +477,8 @@ pub fn ioctl_name(request: u64) -> &'static str {
         (VM_RESUME_CPU, "VM_RESUME_CPU"),
         (VM_RTC_WRITE, "VM_RTC_WRITE"),
         (VM_RTC_SETTIME, "VM_RTC_SETTIME"),
+        (VM_SNAPSHOT_REQ, "VM_SNAPSHOT_REQ"),
+        (VM_RESTORE_TIME, "VM_RESTORE_TIME"),
         (VMMCTL_VM_CREATE, "VMMCTL_VM_CREATE"),
         (VMMCTL_VM_DESTROY, "VMMCTL_VM_DESTROY"),
     ];
@@ -656,6 +661,95 @@ impl Abi {
     }
 }
 
+// --- snapshots (kernels built with `options BHYVE_SNAPSHOT`) -----------------------------
+//
+// Read in `sys/amd64/include/vmm_snapshot.h` (14.x and 15.x trees), `sys/amd64/vmm/vmm.c`
+// (14.x: `vm_snapshot_req`, `vm_restore_time`), `sys/amd64/vmm/vmm_snapshot.c` (15.x:
+// `vm_snapshot_buf`), `sys/amd64/vmm/vmm_dev.c` (14.x) and `sys/amd64/vmm/vmm_dev_machdep.c`
+// (15.x) for the dispatch, and `usr.sbin/bhyve/snapshot.c` (14.x/15.x) for how bhyve(8)
+// drives it:
+//
+// * `VM_SNAPSHOT_REQ = _IOWR('v', 113, struct vm_snapshot_meta)` and `VM_RESTORE_TIME =
+//   _IOWR('v', 115, int)` exist only in kernels built with `BHYVE_SNAPSHOT`; elsewhere
+//   the ioctl dispatch finds no handler and answers ENOTTY (14.x `vmmdev_ioctl`'s default
+//   case; 15.x `vmmdev_ioctl` when neither ioctl table has the number).
+// * Both lock every vCPU (`vcpu_lock_all`, 14.x; `VMMDEV_IOCTL_LOCK_ALL_VCPUS`, 15.x): the
+//   kernel waits for each vCPU to leave VM_RUN, so the VMM pauses its vCPU threads first.
+// * FreeBSD 13's `struct vm_snapshot_meta` began with an unused `void *ctx` (72 bytes,
+//   0xC0487671); 14 dropped it (64 bytes, 0xC0407671) and keeps the 13 number as
+//   `VM_SNAPSHOT_REQ_OLD`/`_13` under `COMPAT_FREEBSD13`. This backend speaks 14+ only.
+// * The kernel reads `dev_req`, `op` and the buffer; `dev_data` and `dev_name` are for
+//   bhyve(8)'s own devices. Each saved field is copied out to `buffer.buf` (copyin on
+//   restore) and `buf`/`buf_rem` advance; a field that does not fit fails the request with
+//   E2BIG. On success the meta is copied back (`_IOWR`), so `buf_size - buf_rem` is the
+//   number of bytes the kernel wrote (or, on restore, consumed).
+// * `enum snapshot_req`: 13.x began with `STRUCT_VMX = 0`; 14.x removed it and pinned
+//   `STRUCT_VIOAPIC = 1`, so every value used here is the same on 13, 14 and 15. An
+//   unknown value fails with EINVAL.
+
+/// `struct vm_snapshot_meta` (FreeBSD 14+, 64 bytes). Pointers travel as `u64`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
+pub struct VmSnapshotMeta {
+    /// `void *dev_data` (user-space devices only).
+    pub dev_data: u64,
+    /// `const char *dev_name` (bhyve(8) names the structure; the kernel ignores it).
+    pub dev_name: u64,
+    /// `enum snapshot_req dev_req`.
+    pub dev_req: i32,
+    pub _pad0: u32,
+    /// `struct vm_snapshot_buffer`: `buf_start`, `buf_size`, `buf`, `buf_rem`.
+    pub buf_start: u64,
+    pub buf_size: u64,
+    pub buf: u64,
+    pub buf_rem: u64,
+    /// `enum vm_snapshot_op op`.
+    pub op: i32,
+    pub _pad1: u32,
+}
+
+/// `enum snapshot_req` (vmm_snapshot.h; the same values in 13.x, 14.x and 15.x).
+pub mod snapshot_req {
+    pub const STRUCT_VIOAPIC: i32 = 1;
+    pub const STRUCT_VM: i32 = 2;
+    pub const STRUCT_VLAPIC: i32 = 3;
+    /// Guest memory: bhyve(8) copies it itself; the kernel has no handler for it.
+    pub const VM_MEM: i32 = 4;
+    pub const STRUCT_VHPET: i32 = 5;
+    /// Every vCPU's VMCS (Intel) or VMCB (AMD) fields and the registers kept beside them.
+    pub const STRUCT_VMCX: i32 = 6;
+    pub const STRUCT_VATPIC: i32 = 7;
+    pub const STRUCT_VATPIT: i32 = 8;
+    pub const STRUCT_VPMTMR: i32 = 9;
+    pub const STRUCT_VRTC: i32 = 10;
+}
+
+/// `enum vm_snapshot_op`.
+pub const SNAPSHOT_SAVE: i32 = 0;
+pub const SNAPSHOT_RESTORE: i32 = 1;
+
+/// The kernel structures bhyve(8) saves and restores, in its order (`snapshot_kern_structs`
+/// in usr.sbin/bhyve/snapshot.c, 14.x/15.x; both directions walk the same table). `vm`
+/// holds every vCPU's x2APIC mode, pending event, XCR0, `nextrip` and absolute TSC, plus
+/// the vCPUs waiting for a SIPI; `vlapic` and `vmcx` loop over every vCPU the kernel has.
+pub const KERNEL_STRUCTS: [(&str, i32); 9] = [
+    ("vhpet", snapshot_req::STRUCT_VHPET),
+    ("vm", snapshot_req::STRUCT_VM),
+    ("vioapic", snapshot_req::STRUCT_VIOAPIC),
+    ("vlapic", snapshot_req::STRUCT_VLAPIC),
+    ("vmcx", snapshot_req::STRUCT_VMCX),
+    ("vatpit", snapshot_req::STRUCT_VATPIT),
+    ("vatpic", snapshot_req::STRUCT_VATPIC),
+    ("vpmtmr", snapshot_req::STRUCT_VPMTMR),
+    ("vrtc", snapshot_req::STRUCT_VRTC),
+];
+
+pub const VM_SNAPSHOT_REQ: u64 = iowr::<VmSnapshotMeta>(VM, iocnum::SNAPSHOT_REQ);
+/// Re-bases the guest's time after a restore: the HPET's callouts and every vCPU's TSC
+/// offset (the `vm` structure carries the absolute TSC). Called once, after the kernel
+/// structures, before any vCPU runs (bhyve(8) does it just before starting its vCPUs).
+pub const VM_RESTORE_TIME: u64 = iowr::<VmInt>(VM, iocnum::RESTORE_TIME);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -731,6 +825,9 @@ mod tests {
             (VM_SET_INTINFO, 0x8018_761D, "VM_SET_INTINFO"),
             (VM_RTC_WRITE, 0x8008_7665, "VM_RTC_WRITE"),
             (VM_RTC_SETTIME, 0x8008_7666, "VM_RTC_SETTIME"),
+            // The fact sheet's number; VM_RESTORE_TIME from IOCNUM 115 and `int`.
+            (VM_SNAPSHOT_REQ, 0xC040_7671, "VM_SNAPSHOT_REQ"),
+            (VM_RESTORE_TIME, 0xC004_7673, "VM_RESTORE_TIME"),
         ];
         for &(computed, expected, name) in table {
             assert_eq!(
@@ -819,5 +916,34 @@ mod tests {
         assert_eq!(cap::UNRESTRICTED_GUEST, 3);
         assert_eq!(cap::RFLAGS_TF, 10);
         assert_eq!(suspend::TRIPLEFAULT, 4);
+    }
+
+    /// `struct vm_snapshot_meta` as FreeBSD 14/15 lay it out on amd64, and the request
+    /// numbers and the 13 layout it replaced.
+    #[test]
+    fn snapshot_layout_matches_vmm_snapshot_h() {
+        assert_eq!(size_of::<VmSnapshotMeta>(), 64);
+        assert_eq!(offset_of!(VmSnapshotMeta, dev_name), 8);
+        assert_eq!(offset_of!(VmSnapshotMeta, dev_req), 16);
+        assert_eq!(offset_of!(VmSnapshotMeta, buf_start), 24);
+        assert_eq!(offset_of!(VmSnapshotMeta, buf_size), 32);
+        assert_eq!(offset_of!(VmSnapshotMeta, buf), 40);
+        assert_eq!(offset_of!(VmSnapshotMeta, buf_rem), 48);
+        assert_eq!(offset_of!(VmSnapshotMeta, op), 56);
+        assert_eq!(ioc_len(VM_SNAPSHOT_REQ), 64);
+        // FreeBSD 13's layout had one more pointer in front (COMPAT_FREEBSD13's number).
+        assert_eq!(ioc(IOC_INOUT, b'v', iocnum::SNAPSHOT_REQ, 72), 0xC048_7671);
+        assert_ne!(VM_SNAPSHOT_REQ, 0xC048_7671);
+        assert_eq!((SNAPSHOT_SAVE, SNAPSHOT_RESTORE), (0, 1));
+        let reqs: Vec<i32> = KERNEL_STRUCTS.iter().map(|s| s.1).collect();
+        assert_eq!(reqs, [5, 2, 1, 3, 6, 8, 7, 9, 10]);
+        assert_eq!(snapshot_req::VM_MEM, 4);
+        let names: Vec<&str> = KERNEL_STRUCTS.iter().map(|s| s.0).collect();
+        assert_eq!(
+            names,
+            ["vhpet", "vm", "vioapic", "vlapic", "vmcx", "vatpit", "vatpic", "vpmtmr", "vrtc"]
+        );
+        assert_eq!(ioctl_name(VM_SNAPSHOT_REQ), "VM_SNAPSHOT_REQ");
+        assert_eq!(ioctl_name(VM_RESTORE_TIME), "VM_RESTORE_TIME");
     }
 }

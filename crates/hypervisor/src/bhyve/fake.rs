@@ -50,6 +50,22 @@ pub struct FakeKernel {
     /// Called during VM_RUN, after the kernel has read `vm_run` (a kick landing while the
     /// guest runs).
     pub during_run: Mutex<Option<Box<dyn Fn() + Send>>>,
+    /// A kernel built with `options BHYVE_SNAPSHOT`; `None`: one without (VM_SNAPSHOT_REQ
+    /// and VM_RESTORE_TIME say ENOTTY).
+    pub snapshot: Mutex<Option<FakeSnapshot>>,
+}
+
+/// The kernel structures VM_SNAPSHOT_REQ saves and restores.
+#[derive(Clone, Debug, Default)]
+pub struct FakeSnapshot {
+    /// `dev_req` -> the structure as the kernel would save it. A save copies it out; a
+    /// restore reads exactly as many bytes back in and replaces it. Requests for anything
+    /// else fail with EINVAL, like vmm.ko's `vm_snapshot_req`.
+    pub structs: HashMap<i32, Vec<u8>>,
+    /// `(dev_req, op)` of every request that reached a structure, in order.
+    pub log: Vec<(i32, i32)>,
+    /// How many times VM_RESTORE_TIME was called.
+    pub restore_time: usize,
 }
 
 fn read<T: FromBytes>(arg: &[u8]) -> T {
@@ -200,6 +216,11 @@ impl FakeKernel {
                 }
                 write(arg, &g);
             }
+            abi::VM_SNAPSHOT_REQ => return self.snapshot_req(arg),
+            abi::VM_RESTORE_TIME => match self.snapshot.lock().unwrap().as_mut() {
+                Some(s) => s.restore_time += 1,
+                None => return Err(io::Error::from_raw_os_error(libc::ENOTTY)),
+            },
             abi::VM_RUN | abi::VM_RUN_IOWR => {
                 let run: abi::VmRun = read(arg);
                 if run.cpuid < 0 || run.cpuid >= 0x10000 {
@@ -226,6 +247,47 @@ impl FakeKernel {
             }
             _ => {}
         }
+        Ok(())
+    }
+}
+
+impl FakeKernel {
+    /// VM_SNAPSHOT_REQ as `vm_snapshot_req` and `vm_snapshot_buf` do it: the structure's
+    /// bytes go to (or come from) `buf`, which then advances; a structure larger than
+    /// `buf_rem` fails with E2BIG; the meta is copied back on success.
+    fn snapshot_req(&self, arg: &mut [u8]) -> io::Result<()> {
+        let mut guard = self.snapshot.lock().unwrap();
+        let Some(snap) = guard.as_mut() else {
+            return Err(io::Error::from_raw_os_error(libc::ENOTTY));
+        };
+        let mut meta: abi::VmSnapshotMeta = read(arg);
+        let Some(data) = snap.structs.get_mut(&meta.dev_req) else {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        snap.log.push((meta.dev_req, meta.op));
+        let len = data.len();
+        assert!(meta.buf_rem <= meta.buf_size, "buf_rem beyond the buffer");
+        assert_eq!(meta.buf, meta.buf_start + (meta.buf_size - meta.buf_rem));
+        if (meta.buf_rem as usize) < len {
+            return Err(io::Error::from_raw_os_error(libc::E2BIG));
+        }
+        match meta.op {
+            abi::SNAPSHOT_SAVE => {
+                // SAFETY: `buf .. buf + buf_rem` is the backend's buffer, alive and
+                // exclusively lent for the call, as the kernel's copyout assumes; `len` is at
+                // most `buf_rem`.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), meta.buf as *mut u8, len) }
+            }
+            abi::SNAPSHOT_RESTORE => {
+                // SAFETY: as above, read instead of written (the kernel's copyin).
+                let saved = unsafe { std::slice::from_raw_parts(meta.buf as *const u8, len) };
+                data.copy_from_slice(saved);
+            }
+            _ => return Err(io::Error::from_raw_os_error(libc::EINVAL)),
+        }
+        meta.buf += len as u64;
+        meta.buf_rem -= len as u64;
+        write(arg, &meta);
         Ok(())
     }
 }

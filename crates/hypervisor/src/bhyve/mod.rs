@@ -20,6 +20,11 @@
 //! * **No dirty-page tracking upstream**: the dirty-log methods fail with a clear error and
 //!   `Capabilities::dirty_log_bitmap` is false; live migration is refused, while a
 //!   stop-and-copy migration still works.
+//! * **Snapshots through VM_SNAPSHOT_REQ** (kernels built with `options BHYVE_SNAPSHOT`,
+//!   probed when a VM is created: `Capabilities::kernel_snapshot`). `Vm::irqchip_state`
+//!   returns what vmm.ko saves for the VM (devices, LAPICs, VMCS/VMCB) as named blobs; the
+//!   vCPU ioctls keep serving registers, segments, MSRs and the pending event, and answer
+//!   Unsupported for the FPU, XCRs and LAPIC, which `save_vcpu_state` then leaves out.
 //! * **Injection.** `Vm::signal_msi` is VM_LAPIC_MSI, which takes no vCPU lock and wakes the
 //!   target itself; `Vm::set_irq_line` drives the in-kernel 8259/IOAPIC. NMIs and
 //!   exceptions (VM_INJECT_NMI, VM_INJECT_EXCEPTION) and VM_LAPIC_IRQ lock the target vCPU,
@@ -42,6 +47,7 @@ pub mod abi;
 mod emul;
 pub mod exit;
 mod segment;
+mod snapshot;
 pub mod transport;
 mod vcpu;
 mod vm;
@@ -95,6 +101,8 @@ impl Default for BhyveOptions {
 pub struct BhyveHypervisor {
     control: Arc<dyn VmmControl>,
     options: BhyveOptions,
+    /// VM_SNAPSHOT_REQ, as the last VM created found it (`Capabilities::kernel_snapshot`).
+    kernel_snapshot: snapshot::Support,
 }
 
 static VM_COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -125,7 +133,11 @@ impl BhyveHypervisor {
 
     /// The accelerator over any control interface (a fake one in tests).
     pub fn with_control(control: Arc<dyn VmmControl>, options: BhyveOptions) -> Self {
-        BhyveHypervisor { control, options }
+        BhyveHypervisor {
+            control,
+            options,
+            kernel_snapshot: snapshot::Support::default(),
+        }
     }
 
     pub fn options(&self) -> BhyveOptions {
@@ -146,12 +158,12 @@ impl BhyveHypervisor {
                 op: "creating a bhyve VM",
                 source,
             })?;
-        Ok(Arc::new(BhyveVm::new(
-            name,
-            self.control.clone(),
-            dev,
-            self.options,
-        )))
+        let vm = Arc::new(BhyveVm::new(name, self.control.clone(), dev, self.options));
+        // One ioctl on the new VM says whether the kernel was built with BHYVE_SNAPSHOT.
+        if let Some(present) = snapshot::probe(&vm.shared) {
+            self.kernel_snapshot.set(Some(present));
+        }
+        Ok(vm)
     }
 }
 
@@ -200,11 +212,16 @@ impl Hypervisor for BhyveHypervisor {
             user_space_msr: true,
             // No kvm_run-style byte; kicks go through the vm_run structure (see module doc).
             immediate_exit: false,
-            // No ioctl reads or writes the guest FPU/XSAVE state, XCRs or event state.
+            // No vCPU ioctl reads or writes the guest FPU/XSAVE state or XCRs (XCR0 travels
+            // in VM_SNAPSHOT_REQ's `vm` structure; the FPU registers nowhere); the event
+            // being delivered is VM_GET/SET_INTINFO, not KVM's full event state.
             xsave: false,
             xcrs: false,
             vcpu_events: false,
             tsc_control: false,
+            // VM_SNAPSHOT_REQ exists only in kernels built with `options BHYVE_SNAPSHOT`;
+            // known once a VM has been created (the probe needs one).
+            kernel_snapshot: self.kernel_snapshot.get(),
             tpr_shadow: host.tpr_shadow,
             apic_virtualization: host.apic_virtualization,
             posted_interrupts: host.posted_interrupts,

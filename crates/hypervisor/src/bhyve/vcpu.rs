@@ -1024,9 +1024,24 @@ impl Vcpu for BhyveVcpu {
         Ok(out)
     }
 
+    /// EFER, FS/GS base and kernel GS base through their registers. IA32_APIC_BASE only
+    /// as `msrs` reports it (restoring a snapshot writes it back; the x2APIC mode travels
+    /// in the special registers): vmm.ko lets nobody move, disable or re-mode the LAPIC
+    /// through it.
     fn set_msrs(&self, msrs: &[MsrEntry]) -> Result<()> {
         self.complete_pending()?;
         for m in msrs {
+            if m.index == IA32_APIC_BASE {
+                let current = self.apic_base()?;
+                if m.data != current {
+                    return Err(HypervisorError::Invalid(format!(
+                        "bhyve cannot set IA32_APIC_BASE of vCPU {} to {:#x} (it is {current:#x}; \
+                         vmm.ko fixes the LAPIC's base and mode)",
+                        self.id, m.data
+                    )));
+                }
+                continue;
+            }
             match msr_register(m.index) {
                 Some(r) => self.set_reg(r, m.data)?,
                 None => {

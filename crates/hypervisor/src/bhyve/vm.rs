@@ -12,7 +12,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 use super::abi::{self, cap, reg, Abi, SegDesc, VmGuestPaging};
 use super::transport::{VmmControl, VmmTransport};
 use super::vcpu::BhyveVcpu;
-use super::{unsupported, BhyveOptions};
+use super::{snapshot, unsupported, BhyveOptions};
 use crate::{
     ClockData, HypervisorError, IrqChipMode, IrqChipState, MemoryRegion, MsiMessage, Result, Vcpu,
     Vm,
@@ -50,6 +50,8 @@ pub(crate) struct VmShared {
     pub startup_cv: Condvar,
     /// One more than the highest vCPU id created (the topology's core count).
     vcpus: AtomicU32,
+    /// Whether the kernel has VM_SNAPSHOT_REQ (probed when the VM is created).
+    pub snapshot: snapshot::Support,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -259,6 +261,11 @@ impl VmShared {
         })
     }
 
+    /// How many vCPUs the kernel has for this VM (ids 0 .. n-1 are created in order).
+    pub fn vcpu_count(&self) -> u32 {
+        self.vcpus.load(Ordering::Acquire)
+    }
+
     /// A SIPI for `vcpu` arrived on the BSP (SPINUP_AP exit): wake that vCPU's thread.
     pub fn post_startup(&self, vcpu: u32, rip: u64) {
         let mut startup = lock(&self.startup);
@@ -345,6 +352,7 @@ impl BhyveVm {
                 startup: Mutex::new(Startup::default()),
                 startup_cv: Condvar::new(),
                 vcpus: AtomicU32::new(0),
+                snapshot: snapshot::Support::default(),
             }),
         }
     }
@@ -668,20 +676,17 @@ impl Vm for BhyveVm {
         Ok(())
     }
 
+    /// Everything vmm.ko saves for the VM, through VM_SNAPSHOT_REQ (see `snapshot.rs`):
+    /// the 8259 pair, IOAPIC, PIT, HPET, RTC and PM timer, and every vCPU's VMCS/VMCB and
+    /// local APIC. Needs a kernel built with `options BHYVE_SNAPSHOT`.
     fn irqchip_state(&self) -> Result<IrqChipState> {
-        unsupported(
-            "saving the in-kernel 8259/IOAPIC/PIT",
-            "only VM_SNAPSHOT_REQ (kernels built with BHYVE_SNAPSHOT) reads them, and the \
-             backend does not use it yet",
-        )
+        snapshot::save(&self.shared)
     }
 
-    fn set_irqchip_state(&self, _state: &IrqChipState) -> Result<()> {
-        unsupported(
-            "restoring the in-kernel 8259/IOAPIC/PIT",
-            "only VM_SNAPSHOT_REQ (kernels built with BHYVE_SNAPSHOT) writes them, and the \
-             backend does not use it yet",
-        )
+    /// Checks the blobs, hands them back to vmm.ko in bhyve(8)'s order, then re-bases the
+    /// guest's time (VM_RESTORE_TIME). Every vCPU must exist and none may have run.
+    fn set_irqchip_state(&self, state: &IrqChipState) -> Result<()> {
+        snapshot::restore(&self.shared, state)
     }
 }
 

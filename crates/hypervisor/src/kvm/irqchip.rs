@@ -130,6 +130,13 @@ pub fn to_kernel(state: &IrqChipState) -> Result<KernelIrqChip> {
             state.backend
         ));
     }
+    if let Some(blob) = state.blobs.first() {
+        return invalid(format!(
+            "{} named blobs (the first is {:?}); KVM's state has none",
+            state.blobs.len(),
+            blob.name
+        ));
+    }
     let master = parse_pic(&state.pic_master, false)?;
     let slave = parse_pic(&state.pic_slave, true)?;
     let ioapic = parse_ioapic(&state.ioapic)?;
@@ -197,6 +204,7 @@ mod tests {
             pic_slave: pic_blob(&slave),
             ioapic: ioapic_blob(&ioapic),
             pit: pit_blob(&pit),
+            blobs: Vec::new(),
         }
     }
 
@@ -212,6 +220,21 @@ mod tests {
         assert_eq!(ioapic_blob(&k.chips[2]), s.ioapic);
         assert_eq!(pit_blob(&k.pit), s.pit);
         assert_eq!(k.chips[2].chip_id, KVM_IRQCHIP_IOAPIC);
+    }
+
+    /// KVM's state serialises exactly as it did before bhyve's named blobs existed, and
+    /// such old snapshots still load.
+    #[test]
+    fn json_has_no_named_blobs_field() {
+        let s = fresh();
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(!json.contains("blobs"), "{json}");
+        assert!(
+            json.starts_with("{\"backend\":\"kvm\",\"pic_master\":["),
+            "{json}"
+        );
+        let back: IrqChipState = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, s);
     }
 
     #[test]
@@ -234,6 +257,12 @@ mod tests {
             Box::new(|s| s.pit[72] = 4),           // PIT flags
             Box::new(|s| s.pit[13] = 6),           // channel 0 mode
             Box::new(|s| s.pit[24 + 3] = 1),       // channel 1 count > 0x10000
+            Box::new(|s| {
+                s.blobs.push(crate::KernelBlob {
+                    name: "vm".into(),
+                    data: vec![0; 8],
+                })
+            }),
         ];
         for (i, corrupt) in cases.drain(..).enumerate() {
             let mut s = fresh();

@@ -154,6 +154,9 @@ impl Hypervisor for KvmHypervisor {
             xcrs: kvm.check_extension(Cap::Xcrs),
             vcpu_events: kvm.check_extension(Cap::VcpuEvents),
             tsc_control: kvm.check_extension(Cap::TscControl),
+            // KVM_GET/SET_IRQCHIP and KVM_GET/SET_PIT2 (split mode keeps its chips in user
+            // space, where the VMM saves them).
+            kernel_snapshot: Some(true),
             tpr_shadow,
             apic_virtualization: apicv,
             posted_interrupts: posted,
@@ -542,6 +545,7 @@ impl Vm for KvmVm {
             pic_slave: irqchip::pic_blob(&slave),
             ioapic: irqchip::ioapic_blob(&ioapic),
             pit: irqchip::pit_blob(&pit),
+            blobs: Vec::new(),
         })
     }
 
