@@ -81,11 +81,32 @@ pub trait Hypervisor: Send + Sync {
     fn msr_index_list(&self) -> Result<Vec<u32>>;
 }
 
-/// Opens the accelerator the user asked for.
+/// What the VMM asks of the accelerator beyond its kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AccelOptions {
+    /// Guest memory stays resident. KVM: nothing to do here (the VMM locks its own mapping).
+    /// bhyve: the segments are mapped with VM_MEMMAP_F_WIRED, since an `mlock` of the VMM's
+    /// range is lost when vmm.ko's memory is mapped over it.
+    pub wired: bool,
+}
+
+/// Opens the accelerator the user asked for, with default options.
 ///
 /// `Auto` takes KVM on Linux and bhyve elsewhere. On Linux, `Bhyve` fails with a message
 /// that names /dev/vmm (the bhyve backend drives FreeBSD's vmm.ko only).
 pub fn open_accelerator(kind: AccelKind) -> Result<Box<dyn Hypervisor>> {
+    open_accelerator_with(kind, AccelOptions::default())
+}
+
+/// [`open_accelerator`] with options.
+pub fn open_accelerator_with(
+    kind: AccelKind,
+    options: AccelOptions,
+) -> Result<Box<dyn Hypervisor>> {
+    let bhyve_options = crate::bhyve::BhyveOptions {
+        wired: options.wired,
+        ..Default::default()
+    };
     match kind {
         #[cfg(target_os = "linux")]
         AccelKind::Kvm => Ok(Box::new(crate::kvm::KvmHypervisor::new()?)),
@@ -101,12 +122,14 @@ pub fn open_accelerator(kind: AccelKind) -> Result<Box<dyn Hypervisor>> {
             ))),
         },
         #[cfg(not(target_os = "linux"))]
-        AccelKind::Auto => match crate::bhyve::BhyveHypervisor::new() {
+        AccelKind::Auto => match crate::bhyve::BhyveHypervisor::open(bhyve_options) {
             Ok(bhyve) => Ok(Box::new(bhyve)),
             Err(err) => Err(HypervisorError::Unsupported(format!(
                 "no accelerator found (bhyve: {err})"
             ))),
         },
-        AccelKind::Bhyve => Ok(Box::new(crate::bhyve::BhyveHypervisor::new()?)),
+        AccelKind::Bhyve => Ok(Box::new(crate::bhyve::BhyveHypervisor::open(
+            bhyve_options,
+        )?)),
     }
 }

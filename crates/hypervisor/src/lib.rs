@@ -22,7 +22,9 @@ mod vm;
 
 pub use arch::*;
 pub use error::{HypervisorError, Result};
-pub use hypervisor::{open_accelerator, AccelKind, Capabilities, Hypervisor};
+pub use hypervisor::{
+    open_accelerator, open_accelerator_with, AccelKind, AccelOptions, Capabilities, Hypervisor,
+};
 pub use kick::VcpuKicker;
 pub use state::{restore_vcpu_state, save_vcpu_state, VcpuState, SNAPSHOT_MSRS};
 pub use vcpu::{Vcpu, VcpuExit};

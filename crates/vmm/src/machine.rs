@@ -16,7 +16,9 @@ use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
 use devices::pit::Pit;
 use devices::rtc::Rtc;
 use devices::serial::{SerialDevice, SerialOutput as SerialSink};
-use hypervisor::{open_accelerator, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu};
+use hypervisor::{
+    open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
+};
 
 use crate::api::{Api, MachineInfo, SocketGuard};
 use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
@@ -137,7 +139,12 @@ impl Machine {
             None => None,
         };
 
-        let hv = open_accelerator(config.accel)?;
+        let hv = open_accelerator_with(
+            config.accel,
+            AccelOptions {
+                wired: config.wired,
+            },
+        )?;
         let caps = hv.capabilities();
         if config.cpus as usize > caps.max_vcpus {
             return Err(Error::Option {

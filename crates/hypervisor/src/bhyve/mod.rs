@@ -108,24 +108,27 @@ pub struct BhyveHypervisor {
 static VM_COUNTER: AtomicU32 = AtomicU32::new(0);
 
 impl BhyveHypervisor {
+    /// Opens vmm.ko with the default options. Off FreeBSD this fails with a message naming
+    /// /dev/vmm.
+    pub fn new() -> Result<Self> {
+        Self::open(BhyveOptions::default())
+    }
+
     /// Opens vmm.ko. Off FreeBSD this fails with a message naming /dev/vmm.
     #[cfg(target_os = "freebsd")]
-    pub fn new() -> Result<Self> {
+    pub fn open(options: BhyveOptions) -> Result<Self> {
         let control = transport::freebsd::FreeBsdControl::open().map_err(|source| {
             HypervisorError::DeviceUnavailable {
                 path: "/dev/vmm".into(),
                 source,
             }
         })?;
-        Ok(Self::with_control(
-            Arc::new(control),
-            BhyveOptions::default(),
-        ))
+        Ok(Self::with_control(Arc::new(control), options))
     }
 
     /// Opens vmm.ko. Off FreeBSD this fails with a message naming /dev/vmm.
     #[cfg(not(target_os = "freebsd"))]
-    pub fn new() -> Result<Self> {
+    pub fn open(_options: BhyveOptions) -> Result<Self> {
         Err(HypervisorError::Unsupported(
             "bhyve (/dev/vmm is absent; the bhyve backend runs on FreeBSD only)".into(),
         ))
