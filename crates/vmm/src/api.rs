@@ -25,7 +25,9 @@ const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 pub trait MachineOps: Send + Sync {
     /// Writes a snapshot of the paused machine to `path`.
     fn snapshot(&self, path: &Path) -> Result<Value>;
-    /// Migrates the machine; `progress` receives one JSON object per update.
+    /// Migrates the machine; `progress` receives one JSON object per update. On success the
+    /// guest stays paused here and the caller ends this copy of the machine
+    /// ([`ExitReason::Migrated`]) once the reply is on its way.
     fn migrate(&self, request: &MigrateRequest, progress: &mut dyn FnMut(Value)) -> Result<Value>;
 }
 
@@ -117,13 +119,16 @@ impl Api {
         result
     }
 
-    fn handle(&self, line: &str, stream: &mut UnixStream) -> Value {
+    /// Serves one request: the reply, and the exit to request once the reply has been
+    /// written (so that the client hears about it before the process ends).
+    fn handle(&self, line: &str, stream: &mut UnixStream) -> (Value, Option<ExitReason>) {
         let request: Request = match serde_json::from_str(line) {
             Ok(r) => r,
-            Err(e) => return error_reply(&format!("bad request: {e}")),
+            Err(e) => return (error_reply(&format!("bad request: {e}")), None),
         };
+        let mut then_exit = None;
         let result = match request {
-            Request::Status => return self.status(),
+            Request::Status => return (self.status(), None),
             Request::Pause => self
                 .control
                 .pause(PAUSE_TIMEOUT)
@@ -133,7 +138,7 @@ impl Api {
                 Ok(json!({"ok": true, "state": "running"}))
             }
             Request::Shutdown => {
-                self.exit.request(ExitReason::PowerOff);
+                then_exit = Some(ExitReason::PowerOff);
                 Ok(json!({"ok": true, "state": "stopping"}))
             }
             Request::Snapshot { path } => match &self.ops {
@@ -148,15 +153,21 @@ impl Api {
                     };
                     let result = ops.migrate(&req, &mut progress);
                     *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                    if result.is_ok() {
+                        // The destination runs the guest now: this copy must never run
+                        // again (its vCPUs stay paused until the process ends).
+                        then_exit = Some(ExitReason::Migrated);
+                    }
                     result
                 }),
                 None => Err(Error::NotSupportedYet { option: "migrate" }),
             },
         };
-        match result {
+        let reply = match result {
             Ok(v) => v,
             Err(e) => error_reply(&e.to_string()),
-        }
+        };
+        (reply, then_exit)
     }
 }
 
@@ -217,8 +228,13 @@ fn serve_connection(stream: UnixStream, api: &Api) {
         if line.trim().is_empty() {
             continue;
         }
-        let reply = api.handle(line.trim(), &mut writer);
-        if writeln!(writer, "{reply}").is_err() {
+        let (reply, then_exit) = api.handle(line.trim(), &mut writer);
+        let written = writeln!(writer, "{reply}").and_then(|()| writer.flush());
+        // Whether or not the client is still there to read it.
+        if let Some(reason) = then_exit {
+            api.exit.request(reason);
+        }
+        if written.is_err() {
             return;
         }
     }

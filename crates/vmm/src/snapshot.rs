@@ -241,11 +241,9 @@ impl MachineOps for Core {
         );
         control.core.control.set_throttle(0);
         match result {
-            Ok(report) => {
-                // The destination runs the guest now: this copy must never run again.
-                self.exit.request(devices::exit::ExitReason::Migrated);
-                Ok(json!({"ok": true, "report": report_json(&report)}))
-            }
+            // The destination runs the guest now; the API ends this copy once the reply is
+            // written (the guest stays paused until then).
+            Ok(report) => Ok(json!({"ok": true, "report": report_json(&report)})),
             Err(e) => {
                 // The engine resumed the guest if it had paused it: it runs on here.
                 if control.paused {
