@@ -235,7 +235,6 @@ impl Machine {
             devices: device_handles,
             msrs: hv.msr_index_list()?,
             kernel_irqchip: config.irqchip == IrqChipKind::Kernel,
-            exit: context.exit.clone(),
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
             // bhyve knows only once a VM exists (VM_SNAPSHOT_REQ is probed on creation).

@@ -40,7 +40,6 @@ pub struct Core {
     pub config: MigrationConfig,
     pub msrs: Vec<u32>,
     pub kernel_irqchip: bool,
-    pub exit: Arc<devices::exit::ExitRequest>,
     /// Whether the kernel's manual dirty-log protect is on (decided at the first migration).
     pub manual_protect: std::sync::OnceLock<bool>,
     /// Whether the accelerator tracks dirty pages (upstream bhyve does not): without it only
