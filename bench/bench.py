@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ferrovm benchmarks against QEMU and a raw KVM_RUN loop, measured in one run.
 
-    bench/bench.py [--quick] [--only startup,exits,memory,migration,workloads]
+    bench/bench.py [--quick] [--only startup,exits,memory,migration,workloads,restore]
                    [--out target/bench/results.json]
 
 Writes every sample to the JSON file; bench/report.py turns it into docs/benchmarks.md
@@ -125,11 +125,15 @@ def machine_info():
         "kvm_backend": accel.get("backend", "?"),
         "thp": sh("cat /sys/kernel/mm/transparent_hugepage/enabled"),
         "qemu": sh(f"{QEMU} --version | head -1"),
-        "ferrovm_commit": sh(f"git -C {ROOT} rev-parse --short HEAD")
-        + (" (with uncommitted changes)" if sh(f"git -C {ROOT} status --porcelain") else ""),
+        "ferrovm_commit": commit(),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "tsc_hz": tsc_hz(),
     }
+
+
+def commit():
+    return (sh(f"git -C {ROOT} rev-parse --short HEAD")
+            + (" (with uncommitted changes)" if sh(f"git -C {ROOT} status --porcelain") else ""))
 
 
 def tsc_hz():
@@ -425,6 +429,112 @@ def bench_workloads(cfg, hz):
 
 
 # ---------------------------------------------------------------------------------------
+# 6. snapshot restore
+
+RESTORE_MODES = {"eager": ["--restore-eager"], "lazy": [], "lazy+verify": ["--restore-verify"]}
+
+
+def make_snapshot(path, mib, mem_mib):
+    """Boots bench-restore touching `mib` MiB, snapshots it while it runs; the snapshot's
+    figures (ctl's JSON reply)."""
+    work = tempfile.mkdtemp(prefix="fvbench-snap")
+    serial, sock = f"{work}/serial", f"{work}/api.sock"
+    p = subprocess.Popen(ferrovm_cmd(guest("bench-restore"), f"mib={mib}", mem_mib, f"file:{serial}",
+                                     ["--api-socket", sock]),
+                         stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
+    try:
+        if not wait_for(serial, r"pass 1 ok", 120, p):
+            raise RuntimeError("bench-restore did not start")
+        out = subprocess.run([FERROVM, "ctl", "--api-socket", sock, "--json", "snapshot", path],
+                             capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            raise RuntimeError(f"snapshot failed: {out.stderr}")
+        return json.loads(out.stdout)
+    finally:
+        stop(p)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def drop_cache(path):
+    """Evicts the file from the page cache (it was written and fsynced, so it is clean)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def time_restore(path, extra):
+    """Process start -> the first console byte (the restored guest's first port write after
+    the resume), and -> the end of its first complete pass over its memory after the resume
+    (the second `pass` line: the first ends the pass the snapshot interrupted), in ms."""
+    cmd = [FERROVM, "run", "--restore", path, "--serial", "stdio"] + extra
+    t0 = time.perf_counter_ns()
+    p = subprocess.Popen(cmd, stdin=DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         bufsize=0)
+    fd = p.stdout.fileno()
+    first, passes, got = None, [], b""
+    try:
+        while len(passes) < 2:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            now = time.perf_counter_ns()
+            if first is None:
+                first = now
+            got += chunk
+            while len(passes) < min(got.count(b" ok\n"), 2):
+                passes.append(now)
+    finally:
+        stop(p)
+    err = p.stderr.read().decode(errors="replace")
+    if first is None or len(passes) < 2 or b"FAIL" in got:
+        raise RuntimeError(f"restore {extra}: {got[-300:]!r} {err[-300:]}")
+    return (first - t0) / 1e6, (passes[1] - t0) / 1e6
+
+
+def bench_restore(cfg):
+    mem_mib = cfg["restore_mem_mib"]
+    work = Path(tempfile.mkdtemp(prefix="fvbench-restore", dir=ROOT / "target/bench"))
+    snaps, samples = {}, []
+    try:
+        for mib in cfg["restore_touch_mib"]:
+            path = str(work / f"{mib}.snap")
+            prime(2 * mib + 256)
+            snaps[mib] = make_snapshot(path, mib, mem_mib)
+            st = os.stat(path)
+            snaps[mib]["allocated_bytes"] = st.st_blocks * 512
+            log(f"restore: snapshot of {mib} MiB: paused {snaps[mib]['paused_ms']:.0f} ms, "
+                f"{snaps[mib]['bytes'] / 2**20:.0f} MiB written, file {st.st_size / 2**20:.0f} MiB "
+                f"({st.st_blocks * 512 / 2**20:.0f} MiB on disk)")
+        modes = list(RESTORE_MODES)
+        for r in range(cfg["restore_rounds"]):
+            for mib in cfg["restore_touch_mib"]:
+                path = str(work / f"{mib}.snap")
+                for cache in ("warm", "cold"):
+                    for mode in rotate(modes, r):
+                        prime(mib + 256)
+                        if cache == "cold":
+                            drop_cache(path)
+                        else:
+                            # Warm: the whole file in the page cache, as after a recent snapshot.
+                            with open(path, "rb") as f:
+                                while f.read(8 << 20):
+                                    pass
+                        first, full = time_restore(path, RESTORE_MODES[mode])
+                        samples.append({"round": r, "touched_mib": mib, "cache": cache, "mode": mode,
+                                        "first_ms": first, "all_read_ms": full})
+                log(f"restore round {r + 1}/{cfg['restore_rounds']}, {mib} MiB: " + ", ".join(
+                    f"{x['cache']} {x['mode']} {x['first_ms']:.1f}/{x['all_read_ms']:.0f} ms"
+                    for x in samples if x["round"] == r and x["touched_mib"] == mib))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"guest": "bench-restore", "memory_mib": mem_mib, "snapshots": snaps,
+            "samples": samples, "measured": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "ferrovm_commit": commit()}
+
+
+# ---------------------------------------------------------------------------------------
 
 def config(quick):
     cfg = {
@@ -432,6 +542,7 @@ def config(quick):
         "exit_rounds": 6, "exit_n": 4000, "exit_reps": 3,
         "memory_rounds": 5, "memory_touch_mib": 256,
         "work_rounds": 3, "work_reps": 3, "work_mib": 256,
+        "restore_rounds": 5, "restore_mem_mib": 1024, "restore_touch_mib": [256, 896],
         "migration_cases": (
             [{"link": "loopback", "guest": "migrate-idle", "gib": g, "runs": 5} for g in (1, 2, 4, 8)]
             + [{"link": "loopback", "guest": "migrate-dirty", "gib": 2, "mib": 256, "runs": 2}]
@@ -444,6 +555,7 @@ def config(quick):
         cfg.update({
             "startup_rounds": 3, "exit_rounds": 2, "exit_n": 2000, "exit_reps": 2,
             "memory_rounds": 2, "work_rounds": 1, "work_reps": 2,
+            "restore_rounds": 2, "restore_touch_mib": [896],
             "migration_cases": [
                 {"link": "loopback", "guest": "migrate-idle", "gib": 1, "runs": 1},
                 {"link": "1gbit", "guest": "migrate-idle", "gib": 1, "runs": 1},
@@ -452,27 +564,32 @@ def config(quick):
     return cfg
 
 
+ALL_SECTIONS = "startup,exits,memory,migration,workloads,restore"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and cases (a smoke test)")
-    ap.add_argument("--only", default="startup,exits,memory,migration,workloads")
+    ap.add_argument("--only", default=ALL_SECTIONS)
     ap.add_argument("--out", default=str(ROOT / "target/bench/results.json"))
     args = ap.parse_args()
     only = set(args.only.split(","))
     cfg = config(args.quick)
     out = Path(args.out)
-    # Keep sections measured earlier when only some are rerun.
-    results = json.loads(out.read_text()) if out.exists() and only != set(
-        "startup,exits,memory,migration,workloads".split(",")) else {}
-    results["machine"] = machine_info()
-    results["config"] = cfg
+    # Keep sections measured earlier when only some are rerun; then the machine block and the
+    # total time stay those of the earlier run, and the rerun sections carry their own date.
+    partial = out.exists() and only != set(ALL_SECTIONS.split(","))
+    results = json.loads(out.read_text()) if partial else {}
+    if not partial or "machine" not in results:
+        results["machine"] = machine_info()
+    results["config"] = {**results.get("config", {}), **cfg}
     results["quick"] = args.quick
-    hz = results["machine"]["tsc_hz"]
+    hz = results["machine"].get("tsc_hz") or tsc_hz()
     log(f"TSC {hz / 1e6:.0f} MHz; {results['machine']['qemu']}")
     t0 = time.monotonic()
     steps = [("startup", lambda: bench_startup(cfg)), ("exits", lambda: bench_exits(cfg, hz)),
              ("memory", lambda: bench_memory(cfg)), ("workloads", lambda: bench_workloads(cfg, hz)),
-             ("migration", lambda: bench_migration(cfg))]
+             ("migration", lambda: bench_migration(cfg)), ("restore", lambda: bench_restore(cfg))]
     for name, fn in steps:
         if name in only:
             t = time.monotonic()
@@ -481,7 +598,8 @@ def main():
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1))
             log(f"{name} done in {results[name]['seconds']:.0f} s")
-    results["seconds"] = round(time.monotonic() - t0, 1)
+    if not partial:
+        results["seconds"] = round(time.monotonic() - t0, 1)
     out.write_text(json.dumps(results, indent=1))
     log(f"all done in {results['seconds']:.0f} s -> {out}")
 

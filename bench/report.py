@@ -456,6 +456,88 @@ def workloads_section(res, docs, out):
     return summary
 
 
+RESTORE_MODES = ["eager", "lazy", "lazy+verify"]
+
+
+def restore_section(res, docs, out):
+    rs = res["restore"]
+    samples = rs["samples"]
+    sizes = sorted({x["touched_mib"] for x in samples})
+    rounds = len({x["round"] for x in samples})
+    out.append("## 6. Snapshot restore: process start to the guest's first port write\n")
+    out.append(
+        f"A {rs['memory_mib'] // 1024} GiB guest running `bench-restore` (`guests/bench-restore.c`: "
+        "ring 3 fills N MiB with a pattern, then reads and checks them page by page, pass after "
+        "pass, writing one byte to the UART whenever 200 µs have gone by) is snapshotted while "
+        "it runs (`ctl snapshot`), then restored again and again with `ferrovm run --restore "
+        "FILE --serial stdio`. The harness times from just before `fork`+`exec` to the first "
+        "console byte, the guest's first port write after the resume (**guest running**), and to "
+        "the end of its first complete pass after the resume (**all memory read**: every "
+        "touched page read and checked once, so page faults that a lazy restore defers are "
+        "paid by then). Modes:\n")
+    out.append(
+        "- **eager** (`--restore-eager`): every page copied from the file into anonymous guest "
+        "RAM and checked against its CRC before the vCPUs start — what restoring a version 1 "
+        "snapshot (a stream) did;\n"
+        "- **lazy** (the default): the page images mapped over guest RAM (`MAP_PRIVATE`), "
+        "pages read from the file when the guest first touches them, their CRCs checked by a "
+        "background thread while the guest runs;\n"
+        "- **lazy+verify** (`--restore-verify`): every page checked against its CRC before "
+        "the vCPUs start, then mapped.\n")
+    out.append(
+        "**warm**: the file is in the page cache (read once just before, as after a recent "
+        "snapshot); **cold**: evicted first (`posix_fadvise(POSIX_FADV_DONTNEED)`), so pages "
+        "come from the disk (a virtio disk of this VM, itself cached by its host). Before every "
+        f"run the harness primes fresh memory (`hostbench prime`, see §4). {rounds} rounds, "
+        "every mode once per round in a rotating order.\n")
+    out.append("| touched | cache | mode | guest running | all memory read | guest running: ÷ lazy |")
+    out.append("| --- | --- | --- | --- | --- | --- |")
+    summary = {}
+    plot = {}
+    for mib in sizes:
+        for cache in ("warm", "cold"):
+            sel = {m: [x for x in samples if (x["touched_mib"], x["cache"], x["mode"]) == (mib, cache, m)]
+                   for m in RESTORE_MODES}
+            lazy = [x["first_ms"] for x in sel["lazy"]]
+            for m in RESTORE_MODES:
+                f = [x["first_ms"] for x in sel[m]]
+                a = [x["all_read_ms"] for x in sel[m]]
+                if not f:
+                    continue
+                per = [x["first_ms"] / y["first_ms"] for x in sel[m] for y in sel["lazy"]
+                       if x["round"] == y["round"]]
+                out.append(f"| {mib} MiB | {cache} | {m} | {fig(f, 1, 'ms')} | {fig(a, 0, 'ms')} | "
+                           + (ratio(f, lazy, per, 1) if m != "lazy" else "") + " |")
+                summary[(mib, cache, m)] = (med(f), med(a))
+                plot[(mib, cache, m)] = (f, a)
+    out.append("")
+    out.append("The snapshots (`ctl snapshot` while the guest ran; the file is sparse):\n")
+    out.append("| touched | guest paused | written | file length | on disk |")
+    out.append("| --- | --- | --- | --- | --- |")
+    for mib in sizes:
+        sn = rs["snapshots"][str(mib)] if str(mib) in rs["snapshots"] else rs["snapshots"][mib]
+        out.append(f"| {mib} MiB | {sn['paused_ms']:.0f} ms | {sn['bytes'] / 2**20:.0f} MiB | "
+                   f"{sn['file_bytes'] / 2**20:.0f} MiB | {sn['allocated_bytes'] / 2**20:.0f} MiB |")
+    out.append("")
+    out.append(f"Measured {rs['measured']} (ferrovm {rs['ferrovm_commit']}).\n")
+    groups = [f"{mib} MiB {cache}" for mib in sizes for cache in ("warm", "cold")]
+    keys = [(mib, cache) for mib in sizes for cache in ("warm", "cold")]
+    fig_, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, i, title in ((axes[0], 0, "guest running (first port write)"),
+                         (axes[1], 1, "all memory read once")):
+        grouped_bars(ax, groups, {m: [plot.get((k[0], k[1], m), ([], []))[i] for k in keys]
+                                  for m in RESTORE_MODES},
+                     RESTORE_MODES, "ms (log scale)", log=True, fmt="{:.0f}")
+        ax.set_title(f"{title}, from process start", fontsize=10)
+    fig_.suptitle(f"Snapshot restore of a {rs['memory_mib'] // 1024} GiB guest (median, min–max)",
+                  fontsize=10)
+    fig_.tight_layout()
+    fig_.savefig(docs / "bench-restore.png", dpi=110)
+    plt.close(fig_)
+    out.append("![restore](bench-restore.png)\n")
+    return summary
+
+
 def main():
     results = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "target/bench/results.json"
     docs = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs"
@@ -467,6 +549,7 @@ def main():
     s_mem = memory_section(res, docs, body) if "memory" in res else None
     s_mig = migration_section(res, docs, body) if "migration" in res else None
     s_work = workloads_section(res, docs, body) if "workloads" in res else None
+    s_rest = restore_section(res, docs, body) if "restore" in res else None
 
     head = ["# Benchmarks\n"]
     head.append(
@@ -525,6 +608,14 @@ def main():
     if s_work:
         head.append(f"| guest (ring 3) / host time: integer loop, memmove, first touch (host with huge pages) | "
                     f"{s_work['intloop']:.2f}×, {s_work['memmove']:.2f}×, {s_work['touch']:.2f}× | see §5 | host = 1 | — |")
+    if s_rest:
+        mib = max(k[0] for k in s_rest)
+        lazy, eager = s_rest.get((mib, "warm", "lazy")), s_rest.get((mib, "warm", "eager"))
+        if lazy and eager:
+            head.append(f"| snapshot restore, {res['restore']['memory_mib'] // 1024} GiB guest with {mib} MiB "
+                        f"touched (file in the page cache): process start to the guest's first port write "
+                        f"after the resume | {lazy[0]:.1f} ms (eager: {eager[0]:.0f} ms, "
+                        f"{eager[0] / lazy[0]:.0f}×) | — | | < 50 ms (memory loaded lazily) |")
     head.append("")
 
     tail = ["## Guest against host on a hardware-virtualization host\n"]
@@ -567,7 +658,9 @@ def main():
         "sample is kept in `target/bench/results.json`. Rounds here: "
         f"{res['config']['startup_rounds']} for start-up, {res['config']['exit_rounds']} boots × "
         f"{res['config']['exit_reps']} for exits, {res['config']['memory_rounds']} for memory, "
-        f"{res['config']['work_rounds']} × {res['config']['work_reps']} for the workloads, and "
+        f"{res['config']['work_rounds']} × {res['config']['work_reps']} for the workloads, "
+        + (f"{res['config']['restore_rounds']} for restore, " if "restore_rounds" in res["config"] else "")
+        + "and "
         "for migration " + "; ".join(
             f"{c['runs']} run{'s' if c['runs'] > 1 else ''} for {c['link']} "
             f"{'idle ' + str(c['gib']) + ' GiB' if c['guest'] == 'migrate-idle' else 'dirtying ' + str(c['mib']) + ' MiB'}"
@@ -584,7 +677,7 @@ def main():
         "| `bench/qmp.py` | minimal QMP client for QEMU's migration |\n"
         "| `bench/migration.sh` | ferrovm migration cases (also its own table, docs/migration.md) |\n"
         "| `bench/linux-initramfs.sh` | `hostbench` as the `/init` of an initramfs |\n"
-        "| `guests/bench-start.c`, `guests/bench-exit.c`, `guests/bench-work.c` | the benchmark guests |\n")
+        "| `guests/bench-start.c`, `guests/bench-exit.c`, `guests/bench-work.c`, `guests/bench-restore.c` | the benchmark guests |\n")
     text = "\n".join(head + body + tail)
     notes = ROOT / "bench/notes.md"
     if notes.exists():

@@ -420,6 +420,291 @@ fn corrupt_snapshot_is_refused_with_one_line() {
     .expect_error("missing.snap");
 }
 
+/// The `"pages"` figure of a `ctl --json snapshot` reply.
+fn snapshot_pages(run: &Run) -> u64 {
+    let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    reply["pages"].as_u64().unwrap()
+}
+
+/// A migrate-idle guest with 32 MiB of pattern pages (8192, 64 checked per 1 s tick, all of
+/// them after tick 5), once it has passed its second tick.
+fn idle_source_at_tick_2(dir: &Path) -> Vm {
+    let kernel = guest("migrate-idle");
+    let source = Vm::start(
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "mib=32 ticks=5",
+            "--memory",
+            "256M",
+        ],
+        dir,
+        "source",
+        true,
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || source.output().contains("tick 2 ok"),
+        "the source guest's second tick",
+    );
+    source
+}
+
+/// Snapshot → lazy restore → snapshot again at once (the guest has touched none of its
+/// region since the restore: those pages are only mapped from the first file, not present)
+/// → restore → the guest verifies every page of its region. And a snapshot to the very file
+/// the guest is mapped from replaces it without harming the running guest.
+#[test]
+fn lazily_restored_guest_snapshots_every_page_again() {
+    let dir = scratch("relazy");
+    let source = idle_source_at_tick_2(&dir);
+    let first = dir.join("first.snap");
+    let run = source.ctl(&["--json", "snapshot", first.to_str().unwrap()]);
+    run.expect_status(0);
+    let pages1 = snapshot_pages(&run);
+    assert!(pages1 >= 8192, "{}", run.stdout);
+    source.ctl(&["shutdown"]).expect_status(0);
+    drop(source);
+    let first_bytes = std::fs::read(&first).unwrap();
+
+    // Taken as soon as the API answers, before the guest's next tick (it waits in HLT
+    // for up to a second): none of the region's pages is present in the restored VMM.
+    let lazy = Vm::start(&["--restore", first.to_str().unwrap()], &dir, "lazy", true);
+    let second = dir.join("second.snap");
+    let run = lazy.ctl(&["--json", "snapshot", second.to_str().unwrap()]);
+    run.expect_status(0);
+    let pages2 = snapshot_pages(&run);
+    // Every page the first snapshot held is still there (the guest zeroes none).
+    assert!(
+        pages2 >= pages1,
+        "second snapshot: {pages2} pages, first: {pages1}"
+    );
+    // The guest runs on; then a snapshot to the very file it is mapped from: replaced by a
+    // rename, not rewritten under the running guest.
+    wait_until(
+        Duration::from_secs(30),
+        || lazy.output().contains(" ok"),
+        "a tick of the lazily restored guest",
+    );
+    lazy.ctl(&["snapshot", first.to_str().unwrap()])
+        .expect_status(0);
+    lazy.ctl(&["shutdown"]).expect_status(0);
+    assert_intact(&lazy.output());
+    drop(lazy);
+    assert_ne!(
+        std::fs::read(&first).unwrap(),
+        first_bytes,
+        "the snapshot to the same path replaced the file"
+    );
+
+    for (name, file) in [("from-second", &second), ("from-first", &first)] {
+        let mut last = Vm::start(&["--restore", file.to_str().unwrap()], &dir, name, false);
+        let (status, stderr) = last.wait(Duration::from_secs(120));
+        let out = last.output();
+        assert_eq!(status, Some(1), "{name}: {stderr}\n{out}");
+        assert!(
+            out.contains("all 8192 pages verified") && out.trim_end().ends_with("PASS"),
+            "{name}:\n{out}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A lazily restored guest migrated live at once: round 0 sends the pages still only mapped
+/// from the snapshot file too, and the destination's guest verifies all of them.
+#[test]
+fn lazily_restored_guest_migrates_every_page() {
+    let dir = scratch("lazymig");
+    let source = idle_source_at_tick_2(&dir);
+    let snap = dir.join("vm.snap");
+    source
+        .ctl(&["snapshot", snap.to_str().unwrap()])
+        .expect_status(0);
+    source.ctl(&["shutdown"]).expect_status(0);
+    drop(source);
+
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let mut dest = Vm::start(
+        &["--incoming", &listen, "--memory", "256M"],
+        &dir,
+        "dest",
+        false,
+    );
+    let mut lazy = Vm::start(&["--restore", snap.to_str().unwrap()], &dir, "lazy", true);
+    let run = lazy.ctl(&["--json", "migrate", &listen]);
+    run.expect_status(0);
+    let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    let sent = reply["report"]["pages_total"].as_u64().unwrap();
+    assert!(sent >= 8192, "{reply}");
+    let (status, _) = lazy.wait(Duration::from_secs(30));
+    assert_eq!(
+        status,
+        Some(0),
+        "the source exits once the destination runs"
+    );
+    let (status, stderr) = dest.wait(Duration::from_secs(120));
+    let out = dest.output();
+    assert_eq!(status, Some(1), "{stderr}\n{out}");
+    assert!(
+        out.contains("all 8192 pages verified") && out.trim_end().ends_with("PASS"),
+        "{out}"
+    );
+    drop(dest);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A snapshot of a small idle guest, for damaging.
+fn small_snapshot_file(dir: &Path) -> PathBuf {
+    let kernel = guest("migrate-idle");
+    let vm = Vm::start(
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "mib=8 tick_ms=100",
+            "--memory",
+            "64M",
+        ],
+        dir,
+        "small",
+        true,
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || vm.output().contains("tick 1 ok"),
+        "the guest's first tick",
+    );
+    let snap = dir.join("good.snap");
+    vm.ctl(&["snapshot", snap.to_str().unwrap()])
+        .expect_status(0);
+    vm.ctl(&["shutdown"]).expect_status(0);
+    snap
+}
+
+fn le32(b: &[u8], at: usize) -> usize {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// Where the first region's page image starts, and the first byte of the CRC table (the first
+/// `DataPages` frame's), in a version 2 snapshot file (docs/migration.md).
+fn snapshot_layout(path: &Path) -> (u64, u64) {
+    let b = std::fs::read(path).unwrap();
+    assert_eq!(le32(&b, 8), 2, "format version");
+    let images = 20 + 8 + le32(&b, 24) + 4;
+    assert_eq!(b[images], 11, "Images frame");
+    let image0 = le64(&b, images + 8 + 8 + 16);
+    let data_pages = images + 8 + le32(&b, images + 4) + 4;
+    assert_eq!(b[data_pages], 12, "DataPages frame");
+    (image0, (data_pages + 8 + 16) as u64)
+}
+
+fn damaged_copy(good: &Path, name: &str, damage: impl FnOnce(&std::fs::File, u64)) -> PathBuf {
+    let bad = good.with_file_name(name);
+    std::fs::copy(good, &bad).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&bad)
+        .unwrap();
+    let len = f.metadata().unwrap().len();
+    damage(&f, len);
+    bad
+}
+
+fn flip_byte(f: &std::fs::File, at: u64) {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x20], at).unwrap();
+}
+
+/// Cut, damaged tables and damaged pages: refused with one line before the guest runs; a
+/// damaged page under a lazy restore stops the guest as soon as the background check finds
+/// it, with one line naming the page.
+#[test]
+fn damaged_snapshot_files_are_refused_with_one_line() {
+    let dir = scratch("damaged");
+    let good = small_snapshot_file(&dir);
+    let (image0, crc_table) = snapshot_layout(&good);
+    // The guest's region: 8 MiB at 16 MiB (migrate-idle's default base).
+    let data = image0 + (16 << 20);
+    let run = |file: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--restore",
+            file.to_str().unwrap(),
+            "--serial",
+            "none",
+        ];
+        args.extend_from_slice(extra);
+        ferrovm(&args, Duration::from_secs(60))
+    };
+
+    let cut_in_pages = damaged_copy(&good, "cut-pages.snap", |f, _| {
+        f.set_len(data + (4 << 20) + 100).unwrap()
+    });
+    run(&cut_in_pages, &[]).expect_error("cut-pages.snap: bad snapshot: snapshot file cut short");
+    // All the data there, but the file ends before the end of the region's image (the last
+    // pages of RAM are untouched: holes).
+    let short_image = damaged_copy(&good, "short-image.snap", |f, len| {
+        f.set_len(len - 4096).unwrap()
+    });
+    run(&short_image, &[]).expect_error("short-image.snap: bad snapshot: snapshot file cut short");
+    let cut_in_frames = damaged_copy(&good, "cut-frames.snap", |f, _| {
+        f.set_len(crc_table + 10).unwrap()
+    });
+    run(&cut_in_frames, &[])
+        .expect_error("cut-frames.snap: bad snapshot: migration stream cut short");
+    let bad_table = damaged_copy(&good, "bad-table.snap", |f, _| flip_byte(f, crc_table + 5));
+    run(&bad_table, &[]).expect_error("bad-table.snap: bad snapshot: migration stream corrupted: checksum mismatch in the DataPages frame");
+
+    let bad_page = damaged_copy(&good, "bad-page.snap", |f, _| {
+        flip_byte(f, data + 3 * 4096 + 100)
+    });
+    let page = "guest page 0x1003000";
+    for extra in [&["--restore-verify"][..], &["--restore-eager"][..]] {
+        let r = run(&bad_page, extra);
+        r.expect_error(page);
+        assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
+    }
+    // Lazily: the guest may run for a moment, then the check stops it.
+    let r = run(&bad_page, &[]);
+    r.expect_error(page);
+    assert!(
+        r.stderr.contains("the restored guest was stopped"),
+        "{}",
+        r.stderr
+    );
+
+    // The undamaged file restores in every mode (and the good guest just runs on).
+    for (name, extra) in [
+        ("lazy", &[][..]),
+        ("verify", &["--restore-verify"][..]),
+        ("eager", &["--restore-eager"][..]),
+    ] {
+        let mut vm = Vm::start(
+            &[&["--restore", good.to_str().unwrap()], extra].concat(),
+            &dir,
+            name,
+            false,
+        );
+        wait_until(
+            Duration::from_secs(30),
+            || vm.output().contains(" ok"),
+            "a tick of the restored guest",
+        );
+        assert!(vm.running());
+        assert_intact(&vm.output());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Two hosts: network namespaces joined by a veth pair.
 #[test]
 fn live_migration_between_two_network_namespaces() {

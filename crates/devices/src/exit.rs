@@ -30,13 +30,16 @@ pub enum ExitReason {
     VcpuFailed(u32),
     /// The machine was migrated: the destination runs the guest now.
     Migrated,
+    /// The VMM found it cannot run the guest on (e.g. the page data of a lazily restored
+    /// snapshot proved corrupt); it reports the cause itself.
+    Failed,
 }
 
 impl ExitReason {
     /// The exit status of `ferrovm run` for this reason: `(v << 1) | 1` for a
     /// debug exit (QEMU's isa-debug-exit convention, so existing test
     /// harnesses keep working), 0 for reset and power-off, 2 (a VMM error)
-    /// for a failed vCPU.
+    /// for a failed vCPU or VMM.
     ///
     /// The value ranges over 1..=511 for debug exits; like QEMU, the process
     /// exit status the parent sees is this value truncated to 8 bits.
@@ -44,7 +47,7 @@ impl ExitReason {
         match self {
             ExitReason::DebugExit(v) => (i32::from(v) << 1) | 1,
             ExitReason::Reset | ExitReason::PowerOff | ExitReason::Migrated => 0,
-            ExitReason::VcpuFailed(_) => 2,
+            ExitReason::VcpuFailed(_) | ExitReason::Failed => 2,
         }
     }
 
@@ -57,6 +60,7 @@ impl ExitReason {
             ExitReason::PowerOff => (3, 0),
             ExitReason::VcpuFailed(id) => (4, id),
             ExitReason::Migrated => (5, 0),
+            ExitReason::Failed => (6, 0),
         };
         (kind << 32) | u64::from(payload)
     }
@@ -69,6 +73,7 @@ impl ExitReason {
             3 => Some(ExitReason::PowerOff),
             4 => Some(ExitReason::VcpuFailed(payload)),
             5 => Some(ExitReason::Migrated),
+            6 => Some(ExitReason::Failed),
             _ => None,
         }
     }
@@ -245,6 +250,7 @@ mod tests {
         assert_eq!(ExitReason::Reset.exit_status(), 0);
         assert_eq!(ExitReason::PowerOff.exit_status(), 0);
         assert_eq!(ExitReason::VcpuFailed(3).exit_status(), 2);
+        assert_eq!(ExitReason::Failed.exit_status(), 2);
         for r in [
             ExitReason::VcpuFailed(0),
             ExitReason::VcpuFailed(u32::MAX),
@@ -252,6 +258,8 @@ mod tests {
             ExitReason::DebugExit(255),
             ExitReason::Reset,
             ExitReason::PowerOff,
+            ExitReason::Migrated,
+            ExitReason::Failed,
         ] {
             assert_eq!(ExitReason::decode(r.encode()), Some(r));
         }

@@ -84,9 +84,18 @@ pub struct RunArgs {
     /// Wait for an incoming live migration.
     #[arg(long, value_name = "tcp:HOST:PORT", conflicts_with_all = ["restore", "kernel"])]
     pub incoming: Option<String>,
-    /// Restore a snapshot.
+    /// Restore a snapshot. Guest memory is mapped from the file and read as the guest
+    /// touches it; its page data is verified in the background (a corrupt page stops the VM).
+    /// The file must not be modified while the VM runs.
     #[arg(long, value_name = "FILE", conflicts_with = "kernel")]
     pub restore: Option<PathBuf>,
+    /// With --restore: verify all page data before the guest runs.
+    #[arg(long, requires = "restore")]
+    pub restore_verify: bool,
+    /// With --restore: copy every page into guest RAM before the guest runs (the VM then no
+    /// longer depends on the file).
+    #[arg(long, requires = "restore")]
+    pub restore_eager: bool,
 }
 
 impl RunArgs {
@@ -102,6 +111,7 @@ impl RunArgs {
             bail!("--cpus 0: a guest needs at least one vCPU");
         }
         let memory = parse_memory_size(&self.memory)?;
+        let (restore_verify, restore_eager) = (self.restore_verify, self.restore_eager);
         let start = match (self.kernel, self.restore, self.incoming) {
             (Some(kernel), None, None) => StartFrom::Kernel(kernel),
             (None, Some(file), None) => StartFrom::Restore(file),
@@ -126,6 +136,8 @@ impl RunArgs {
         config.serial = parse_serial(&self.serial)?;
         config.wired = self.wired;
         config.api_socket = self.api_socket;
+        config.restore_verify = restore_verify;
+        config.restore_eager = restore_eager;
         Ok(config)
     }
 }

@@ -26,10 +26,10 @@ pub enum Error {
     #[error("not a ferrovm migration stream: the magic is {found:02x?}, expected \"FERROVM\\0\"")]
     BadMagic { found: [u8; 8] },
     /// The stream was written in a format version this build does not read.
-    #[error(
-        "unsupported migration stream version {found}: this ferrovm reads version {supported} only"
-    )]
-    UnsupportedVersion { found: u32, supported: u32 },
+    /// The stream was written in a format version this build does not read (or does not read
+    /// here: a version 2 snapshot file is not a migration stream).
+    #[error("unsupported migration stream version {found}: this ferrovm reads {supported}")]
+    UnsupportedVersion { found: u32, supported: &'static str },
     /// Header flags this build does not know.
     #[error("migration stream header has unknown flags {flags:#x}")]
     UnknownHeaderFlags { flags: u32 },
@@ -80,6 +80,25 @@ pub enum Error {
         source_value: String,
         destination_value: String,
     },
+    /// A snapshot file shorter than the page image of one of its RAM regions: mapping it
+    /// would leave guest pages past the end of the file.
+    #[error("snapshot file cut short: it is {file_len} bytes, but the page image of the RAM region at guest address {region_addr:#x} ends at byte {end}")]
+    ShortImage {
+        file_len: u64,
+        region_addr: u64,
+        end: u64,
+    },
+    /// A page of a snapshot file's page image does not match its CRC in the table.
+    #[error("snapshot file corrupted: guest page {addr:#x} (page data at byte {offset} of the file) fails its checksum (stored {stored:#010x}, computed {computed:#010x})")]
+    PageCorrupt {
+        addr: u64,
+        offset: u64,
+        stored: u32,
+        computed: u32,
+    },
+    /// Non-zero bytes in a snapshot file's page image where the CRC table lists no data.
+    #[error("snapshot file corrupted: guest page {addr:#x} (byte {offset} of the file) holds data, but the snapshot's page table lists none there")]
+    UnlistedData { addr: u64, offset: u64 },
     /// Pages that failed their checksum during a live round and were never sent again.
     #[error("{count} guest pages arrived corrupted (first at guest address {first_addr:#x}) and were not sent again before the end of the migration")]
     TornPages { count: u64, first_addr: u64 },

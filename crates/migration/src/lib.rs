@@ -6,12 +6,16 @@
 //! ([`DirtySource`]) and control of the VM ([`VmControl`]); the device/vCPU state is an
 //! opaque blob. The stream format is described byte by byte in `docs/migration.md`.
 //!
-//! - source: [`migrate`] (live, with a reply channel) or [`snapshot`] (to a file);
-//! - destination: [`receive`] (then restore, resume, and `ack`) or [`restore_from`].
+//! - source: [`migrate`] (live, with a reply channel), [`snapshot_file`] (a snapshot file with
+//!   page images, format version 2) or [`snapshot`] (a snapshot as a stream, version 1);
+//! - destination: [`receive`] (then restore, resume, and `ack`); for snapshot files
+//!   [`SnapshotImage`] (version 2: map the page images lazily, or load them) and
+//!   [`restore_from`] (version 1).
 
 mod bitmap;
 mod config;
 mod error;
+mod image;
 mod pages;
 mod precopy;
 mod ram;
@@ -23,19 +27,23 @@ mod stream;
 pub use bitmap::{words_for, Bitmap};
 pub use config::{ConfigCheck, MigrationConfig};
 pub use error::{Error, Result};
+pub use image::{
+    snapshot_file, snapshot_version, LoadReport, SnapshotImage, VerifyReport, IMAGE_ALIGN,
+};
 pub use pages::is_zero;
 pub use precopy::{
     migrate, snapshot, DirtySource, MigrationParams, MigrationReport, Phase, Progress, RoundStats,
     SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
 };
-pub use ram::{GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
+pub use ram::{FileBackedRam, GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
 pub use receive::{
     receive, restore_from, AckSender, IncomingReport, IncomingResult, IncomingRound, Restored,
 };
 pub use resident::{touched_pages, Residency, ResidencyMethod};
 pub use stream::{
     encode_frame, page_crc, pages_frame_len, send_reply, wait_ack, EndInfo, Frame, Header, Kind,
-    PagesHeader, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE, FORMAT_VERSION,
-    FRAME_HEADER_LEN, FRAME_TRAILER_LEN, HEADER_LEN, MAGIC, MAX_FRAME_PAYLOAD, MAX_PAGES_PER_FRAME,
-    MAX_STATE_TOTAL, PAGES_FIXED_LEN, ZERO_PAGES_FRAME_LEN,
+    PagesHeader, RegionImage, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE, FORMAT_VERSION,
+    FRAME_HEADER_LEN, FRAME_TRAILER_LEN, HEADER_LEN, MAGIC, MAX_DATA_PAGES_PER_FRAME,
+    MAX_FRAME_PAYLOAD, MAX_IMAGE_REGIONS, MAX_PAGES_PER_FRAME, MAX_STATE_TOTAL, PAGES_FIXED_LEN,
+    SNAPSHOT_VERSION, ZERO_PAGES_FRAME_LEN,
 };

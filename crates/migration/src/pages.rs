@@ -15,6 +15,7 @@ use vm_memory::VolatileSlice;
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::ram::{Layout, PAGE_SIZE, PAGE_USIZE};
+use crate::sink::Batch;
 use crate::stream::{
     page_crc, pages_frame_len, pages_head, Frame, PagesHeader, StreamReader, StreamWriter,
     MAX_PAGES_PER_FRAME, ZERO_PAGES_FRAME_LEN,
@@ -34,10 +35,17 @@ pub fn is_zero(data: &[u8]) -> bool {
 }
 
 #[repr(C, align(64))]
-struct PageBuf([u8; PAGE_USIZE]);
+pub(crate) struct PageBuf(pub [u8; PAGE_USIZE]);
+
+impl PageBuf {
+    pub fn new() -> Self {
+        PageBuf([0; PAGE_USIZE])
+    }
+}
 
 /// Reads a guest page through a scratch copy: `None` if it is all zero, else its CRC.
-fn inspect(ptr: *mut u8, buf: &mut PageBuf) -> Option<u32> {
+/// `ptr` must be a page of a region of a validated [`Layout`] ([`Layout::host_page`]).
+pub(crate) fn inspect(ptr: *mut u8, buf: &mut PageBuf) -> Option<u32> {
     // SAFETY: callers pass a page inside a region of a validated `Layout`, which the
     // `GuestRam` contract keeps mapped and readable while the RAM is borrowed. Guest memory
     // may change under us (a running vCPU), which is why it is read as a volatile slice.
@@ -103,7 +111,7 @@ fn send_pages_inner<W: Write>(
     tick: &mut dyn FnMut(u64, &Sent),
 ) -> Result<Sent> {
     let mut sent = Sent::default();
-    let mut buf = PageBuf([0; PAGE_USIZE]);
+    let mut buf = PageBuf::new();
     let mut done = 0u64;
     let mut g = Group {
         zero: false,
@@ -174,11 +182,7 @@ fn emit<W: Write>(
         sent.bytes += ZERO_PAGES_FRAME_LEN;
     } else {
         let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
-        let ptr = layout.host_page(g.region, g.first);
-        // SAFETY: the pages lie inside one region of the validated layout (a live mapping
-        // while the RAM is borrowed, per the `GuestRam` contract), and `send_pages` flushes or
-        // clears the batch before it returns, while that borrow is still held.
-        unsafe { w.batch.push_guest(ptr, g.count as usize * PAGE_USIZE) };
+        queue_guest_pages(&mut w.batch, layout, g.region, g.first, u64::from(g.count));
         w.batch.push_bytes(&trailer);
         sent.pages += u64::from(g.count);
         sent.bytes += pages_frame_len(u64::from(g.count));
@@ -187,6 +191,28 @@ fn emit<W: Write>(
     g.count = 0;
     g.crcs.clear();
     Ok(())
+}
+
+/// Queues `count` guest pages from page `first` of region `region` on `batch`, by reference
+/// to the guest mapping. The caller must flush or clear the batch before its borrow of the RAM
+/// behind `layout` ends (`send_pages` and `snapshot_file` do, before they return).
+pub(crate) fn queue_guest_pages(
+    batch: &mut Batch,
+    layout: &Layout,
+    region: usize,
+    first: u64,
+    count: u64,
+) {
+    let npages = layout.regions[region].size / PAGE_SIZE;
+    assert!(
+        first < npages && count <= npages - first,
+        "pages outside the region"
+    );
+    let ptr = layout.host_page(region, first);
+    // SAFETY: the pages lie inside one region of the validated layout (checked above; a live
+    // mapping while the RAM is borrowed, per the `GuestRam` contract), and the callers flush
+    // or clear the batch before they return, while that borrow is still held.
+    unsafe { batch.push_guest(ptr, count as usize * PAGE_USIZE) };
 }
 
 /// The receiving side: applies page frames to guest memory and keeps track of pages that

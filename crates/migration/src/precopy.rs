@@ -106,7 +106,7 @@ pub const THROTTLE_STEPS: [u8; 5] = [20, 40, 60, 80, 99];
 /// Rounds granted after each throttle step taken because the round budget ran out.
 const ROUNDS_PER_STEP: u32 = 2;
 
-fn ms<S: Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
+pub(crate) fn ms<S: Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64() * 1000.0)
 }
 
@@ -236,6 +236,8 @@ impl<P: FnMut(&Progress)> Meter<P> {
 
 struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     layout: Layout,
+    /// Pages mapped from a snapshot file (lazy restore): they hold data even when absent.
+    file_pages: Option<Bitmap>,
     w: StreamWriter<W>,
     ack: R,
     params: &'a MigrationParams,
@@ -285,6 +287,7 @@ where
     let t0 = Instant::now();
     let mut eng = Engine {
         layout,
+        file_pages: ram.file_data_pages(),
         w: StreamWriter::with_max_bandwidth(out, params.max_bandwidth),
         ack: ack_in,
         params,
@@ -343,7 +346,7 @@ where
     }
 }
 
-fn check_config_matches_ram(config: &MigrationConfig, layout: &Layout) -> Result<()> {
+pub(crate) fn check_config_matches_ram(config: &MigrationConfig, layout: &Layout) -> Result<()> {
     let ranges = layout.ranges();
     if config.ram_regions != ranges {
         return Err(Error::Param(format!(
@@ -476,7 +479,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         self.tracking = true;
         dirty.start_tracking()?;
         let mut last_take = Instant::now();
-        let residency = touched_in(&self.layout);
+        let residency = touched_in(&self.layout, self.file_pages.as_ref());
         let swapped_pages = residency.swapped.count();
         if swapped_pages > 0 {
             prefetch_swapped(&self.layout, &residency.swapped);
@@ -595,7 +598,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
 pub struct SnapshotReport {
     /// The single (final) round.
     pub round: RoundStats,
+    /// Bytes written: frames and page data.
     pub bytes_total: u64,
+    /// Length of the file: for a snapshot file with page images ([`crate::snapshot_file`]),
+    /// more than `bytes_total`, as untouched and zero pages are holes.
+    pub file_bytes: u64,
     pub touched_pages: u64,
     pub untouched_pages_skipped: u64,
     pub residency_method: ResidencyMethod,
@@ -627,7 +634,7 @@ where
     let mut w = StreamWriter::new(out);
     w.write_header()?;
     w.write_frame(&Frame::Config(config.clone()))?;
-    let residency = touched_in(&layout);
+    let residency = touched_in(&layout, ram.file_data_pages().as_ref());
     let touched = residency.pages.count();
     let sent = send_pages(&mut w, &layout, &residency.pages, false, &mut |_, _| {})?;
     let duration = t.elapsed();
@@ -660,6 +667,7 @@ where
             throttle_percent: 0,
         },
         bytes_total: w.bytes_written(),
+        file_bytes: w.bytes_written(),
         touched_pages: touched,
         untouched_pages_skipped: total - touched.min(total),
         residency_method: residency.method,

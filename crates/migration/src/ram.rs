@@ -6,6 +6,7 @@ use vm_memory::{
     GuestMemoryBackend, GuestMemoryRegion, GuestRegionCollection, MemoryRegionAddress,
 };
 
+use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 
 /// Size of a guest page as carried by the stream. Fixed in format version 1.
@@ -36,6 +37,50 @@ pub struct RamRegion {
 pub unsafe trait GuestRam {
     /// The RAM regions in a fixed order (the VMM's memory-slot order).
     fn regions(&self) -> Vec<RamRegion>;
+
+    /// Pages that hold data although this process may never have touched them: pages of a
+    /// region mapped from a snapshot file ([`crate::SnapshotImage::map_into`], a lazy
+    /// restore), which are not present in the page tables until the guest first touches them
+    /// and yet hold the file's data. Touched-page discovery (round 0 of a migration, a
+    /// snapshot) adds them to the resident pages. One bitmap per region, in `regions()`
+    /// order; `None` (the default) when guest RAM is anonymous memory only.
+    fn file_data_pages(&self) -> Option<Bitmap> {
+        None
+    }
+}
+
+/// Guest RAM of which some pages are mapped from a snapshot file: `ram`, plus the pages of it
+/// that hold the file's data ([`crate::SnapshotImage::data_pages`]). Hand this, not `ram`
+/// alone, to [`crate::migrate`] and [`crate::snapshot_file`] after a lazy restore, or pages
+/// the guest has not touched since the restore would be left out.
+pub struct FileBackedRam<'a, G: ?Sized> {
+    ram: &'a G,
+    file_pages: Option<&'a Bitmap>,
+}
+
+impl<'a, G: GuestRam + ?Sized> FileBackedRam<'a, G> {
+    /// `file_pages`: `None` when nothing of `ram` is mapped from a file.
+    pub fn new(ram: &'a G, file_pages: Option<&'a Bitmap>) -> Self {
+        FileBackedRam { ram, file_pages }
+    }
+}
+
+// SAFETY: the regions are those of the wrapped `GuestRam`, which upholds the contract for as
+// long as it is borrowed, and the wrapper borrows it for its whole life.
+unsafe impl<G: GuestRam + ?Sized> GuestRam for FileBackedRam<'_, G> {
+    fn regions(&self) -> Vec<RamRegion> {
+        self.ram.regions()
+    }
+
+    fn file_data_pages(&self) -> Option<Bitmap> {
+        match (self.ram.file_data_pages(), self.file_pages) {
+            (Some(mut a), Some(b)) => {
+                a.union_with(b);
+                Some(a)
+            }
+            (a, b) => a.or_else(|| b.cloned()),
+        }
+    }
 }
 
 /// A vm-memory region backed by one host mapping that the region owns. Guest memory made of

@@ -189,7 +189,7 @@ where
     reader.set_ram_ranges(layout.ranges());
 
     // Memory of the destination that already holds data (nothing, for a fresh VM).
-    let residency = touched_in(&layout);
+    let residency = touched_in(&layout, None);
     let preexisting = if residency.is_exact() {
         residency.pages
     } else {
@@ -319,6 +319,11 @@ where
             Frame::Config(_) => return Err(protocol("a second Config frame".into())),
             Frame::Ready | Frame::Ack | Frame::RoundAck(_) => {
                 return Err(protocol("a reply frame inside the stream".into()))
+            }
+            Frame::Images(_) | Frame::DataPages { .. } => {
+                return Err(protocol(
+                    "a snapshot file's page-image frame inside a migration stream".into(),
+                ))
             }
         }
     }

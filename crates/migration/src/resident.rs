@@ -43,12 +43,35 @@ impl Residency {
     }
 }
 
-/// Finds the pages of `ram` that hold data.
+/// Finds the pages of `ram` that hold data: the resident ones, plus those it says hold a
+/// file's data ([`GuestRam::file_data_pages`]).
 pub fn touched_pages<G: GuestRam + ?Sized>(ram: &G) -> Result<Residency> {
-    Ok(touched_in(&Layout::of(ram)?))
+    Ok(touched_in(
+        &Layout::of(ram)?,
+        ram.file_data_pages().as_ref(),
+    ))
 }
 
-pub(crate) fn touched_in(layout: &Layout) -> Residency {
+/// The pages that hold data: resident (or swapped) pages, and `file_pages` — pages mapped
+/// from a snapshot file that hold its data whether or not they were touched since (a private
+/// file mapping's untouched pages are not present, yet not zero).
+pub(crate) fn touched_in(layout: &Layout, file_pages: Option<&Bitmap>) -> Residency {
+    let mut r = resident_in(layout);
+    if let Some(f) = file_pages {
+        let mut f = f.clone();
+        match f.conform(&layout.page_counts()) {
+            Ok(()) => r.pages.union_with(&f),
+            Err(e) => {
+                // Cannot happen with a bitmap made for this RAM; never lose pages over it.
+                log::warn!("file-backed page bitmap does not fit guest RAM ({e}): all pages");
+                return all_pages(layout);
+            }
+        }
+    }
+    r
+}
+
+fn resident_in(layout: &Layout) -> Residency {
     match by_pagemap(layout) {
         Ok(r) => return r,
         Err(e) => log::debug!("pagemap unavailable ({e}); trying mincore"),

@@ -9,6 +9,11 @@
 //! The frame CRC covers the 8 header bytes and the payload, except for `Pages` frames whose
 //! page data (the last `count * 4096` payload bytes) is covered by a per-page CRC table in the
 //! payload instead, so that a page torn by a running guest costs that one page, not the frame.
+//!
+//! Version 1 is the migration stream (and the snapshot written by [`crate::snapshot`]).
+//! Version 2 is the snapshot *file* ([`crate::snapshot_file`]): the same header and framing,
+//! with `Images` and `DataPages` frames describing page data that lies outside the frames, in
+//! page-aligned images of the RAM regions (see `image.rs`).
 
 use std::io::{self, Read, Write};
 
@@ -21,8 +26,18 @@ use crate::sink::{Batch, Out};
 
 /// The first 8 bytes of every stream.
 pub const MAGIC: [u8; 8] = *b"FERROVM\0";
-/// The format version this build writes and reads.
+/// The format version of migration streams (and of snapshots written as a stream by
+/// [`crate::snapshot`]). A migration stream is always written as version 1, so that builds
+/// which read version 1 only can still receive from this one.
 pub const FORMAT_VERSION: u32 = 1;
+/// The format version of snapshot files with page images ([`crate::snapshot_file`]): version 1
+/// framing plus the `Images` and `DataPages` frames, page data outside the frames.
+pub const SNAPSHOT_VERSION: u32 = 2;
+/// Most RAM regions an `Images` frame may describe.
+pub const MAX_IMAGE_REGIONS: u32 = 1024;
+/// Pages per `DataPages` frame written by this build (readers accept up to what fits in
+/// [`MAX_FRAME_PAYLOAD`]): 256 KiB of CRCs.
+pub const MAX_DATA_PAGES_PER_FRAME: u32 = 65536;
 /// Length of the stream header.
 pub const HEADER_LEN: usize = 20;
 /// Length of a frame header (kind, flags, reserved, length).
@@ -64,6 +79,10 @@ pub enum Kind {
     Ack = 9,
     /// Reply: the destination has applied a live round (payload: round number u32).
     RoundAck = 10,
+    /// Version 2 snapshot files: where the page image of each RAM region lies in the file.
+    Images = 11,
+    /// Version 2 snapshot files: a run of pages of an image that hold data, with their CRCs.
+    DataPages = 12,
 }
 
 impl Kind {
@@ -79,6 +98,8 @@ impl Kind {
             8 => Kind::Ready,
             9 => Kind::Ack,
             10 => Kind::RoundAck,
+            11 => Kind::Images,
+            12 => Kind::DataPages,
             _ => return None,
         })
     }
@@ -95,13 +116,16 @@ impl Kind {
             Kind::Ready => "Ready",
             Kind::Ack => "Ack",
             Kind::RoundAck => "RoundAck",
+            Kind::Images => "Images",
+            Kind::DataPages => "DataPages",
         }
     }
 
     fn max_len(self) -> u32 {
         match self {
             Kind::Config => MAX_CONFIG_LEN,
-            Kind::Pages | Kind::State => MAX_FRAME_PAYLOAD,
+            Kind::Pages | Kind::State | Kind::DataPages => MAX_FRAME_PAYLOAD,
+            Kind::Images => IMAGES_FIXED_LEN + IMAGE_ENTRY_LEN * MAX_IMAGE_REGIONS,
             Kind::ZeroPages => PAGES_FIXED_LEN as u32,
             Kind::RoundEnd => ROUND_END_LEN,
             Kind::End => END_LEN,
@@ -130,6 +154,24 @@ impl Kind {
     fn is_stream(self) -> bool {
         !matches!(self, Kind::Ready | Kind::Ack | Kind::RoundAck)
     }
+
+    /// Kinds that only version 2 (snapshot files) has.
+    fn needs_version_2(self) -> bool {
+        matches!(self, Kind::Images | Kind::DataPages)
+    }
+}
+
+const IMAGES_FIXED_LEN: u32 = 8;
+const IMAGE_ENTRY_LEN: u32 = 24;
+
+/// Where the page image of one RAM region lies in a version 2 snapshot file: `size` bytes
+/// from byte `offset` (4 KiB aligned) of the file are the region's memory, page for page;
+/// pages without data are zero (holes, in a sparse file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct RegionImage {
+    pub guest_addr: u64,
+    pub size: u64,
+    pub offset: u64,
 }
 
 /// The stream header.
@@ -206,6 +248,14 @@ pub enum Frame {
     /// before the next round, so rounds are measured end to end and nothing is still in
     /// flight when the guest is paused).
     RoundAck(u32),
+    /// Snapshot files (version 2): the page image of each RAM region, in `Config` order.
+    Images(Vec<RegionImage>),
+    /// Snapshot files (version 2): `crcs.len()` consecutive pages from `addr` hold data in
+    /// their image; one CRC-32 per page.
+    DataPages {
+        addr: u64,
+        crcs: Vec<u32>,
+    },
 }
 
 fn crc(parts: &[&[u8]]) -> u32 {
@@ -222,9 +272,13 @@ pub fn page_crc(page: &[u8]) -> u32 {
 }
 
 pub(crate) fn encode_header() -> [u8; HEADER_LEN] {
+    encode_header_version(FORMAT_VERSION)
+}
+
+pub(crate) fn encode_header_version(version: u32) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[..8].copy_from_slice(&MAGIC);
-    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[12..16].copy_from_slice(&0u32.to_le_bytes());
     let c = crc(&[&h[..16]]);
     h[16..20].copy_from_slice(&c.to_le_bytes());
@@ -331,8 +385,51 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>> {
         Frame::Ready => encode_simple(Kind::Ready, &[], &mut out),
         Frame::Ack => encode_simple(Kind::Ack, &[], &mut out),
         Frame::RoundAck(n) => encode_simple(Kind::RoundAck, &n.to_le_bytes(), &mut out),
+        Frame::Images(images) => {
+            if images.is_empty() || images.len() > MAX_IMAGE_REGIONS as usize {
+                return Err(Error::Param(format!(
+                    "an Images frame describes 1 to {MAX_IMAGE_REGIONS} regions, not {}",
+                    images.len()
+                )));
+            }
+            let mut p = Vec::with_capacity(8 + 24 * images.len());
+            p.extend_from_slice(&(images.len() as u32).to_le_bytes());
+            p.extend_from_slice(&0u32.to_le_bytes());
+            for i in images {
+                for v in [i.guest_addr, i.size, i.offset] {
+                    p.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            encode_simple(Kind::Images, &p, &mut out);
+        }
+        Frame::DataPages { addr, crcs } => encode_data_pages(*addr, crcs, &mut out)?,
     }
     Ok(out)
+}
+
+/// Appends a `DataPages` frame for `crcs.len()` pages from `addr` to `out`.
+pub(crate) fn encode_data_pages(addr: u64, crcs: &[u32], out: &mut Vec<u8>) -> Result<()> {
+    let max = (MAX_FRAME_PAYLOAD as usize - PAGES_FIXED_LEN) / 4;
+    if crcs.is_empty() || crcs.len() > max {
+        return Err(Error::Param(format!(
+            "a DataPages frame lists 1 to {max} pages, not {}",
+            crcs.len()
+        )));
+    }
+    let mut p = Vec::with_capacity(PAGES_FIXED_LEN + 4 * crcs.len());
+    p.extend_from_slice(&zero_pages_payload(addr, crcs.len() as u32));
+    for c in crcs {
+        p.extend_from_slice(&c.to_le_bytes());
+    }
+    encode_simple(Kind::DataPages, &p, out);
+    Ok(())
+}
+
+/// Wire size of an `Images` frame of `regions` regions.
+pub(crate) fn images_frame_len(regions: u64) -> u64 {
+    (FRAME_HEADER_LEN + FRAME_TRAILER_LEN) as u64
+        + u64::from(IMAGES_FIXED_LEN)
+        + u64::from(IMAGE_ENTRY_LEN) * regions
 }
 
 /// Queues the head of a `Pages` frame (frame header, address, count, CRC table) and returns
@@ -515,22 +612,39 @@ pub struct StreamReader<R: Read> {
     inner: R,
     offset: u64,
     replies: bool,
+    /// Highest format version accepted: 1 for migration streams, 2 for snapshot files.
+    max_version: u32,
     header: Option<Header>,
     ranges: Option<Vec<RamRange>>,
     pending: Option<Pending>,
 }
 
 impl<R: Read> StreamReader<R> {
-    /// A reader of a migration stream (header first).
+    /// A reader of a migration stream (header first; version 1).
     pub fn new(inner: R) -> Self {
         StreamReader {
             inner,
             offset: 0,
             replies: false,
+            max_version: FORMAT_VERSION,
             header: None,
             ranges: None,
             pending: None,
         }
+    }
+
+    /// A reader of a snapshot file: version 1 (a stream) or 2 (page images outside the
+    /// frames; the reader then stops at the `End` frame, before the images).
+    pub fn snapshot_file(inner: R) -> Self {
+        StreamReader {
+            max_version: SNAPSHOT_VERSION,
+            ..Self::new(inner)
+        }
+    }
+
+    /// The header, once read.
+    pub fn header(&self) -> Option<Header> {
+        self.header
     }
 
     /// A reader of the reply channel (no header; only `Ready`, `Ack` and `Error`).
@@ -597,10 +711,14 @@ impl<R: Read> StreamReader<R> {
         }
         self.fill(&mut h[8..12], &what)?;
         let version = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
-        if version != FORMAT_VERSION {
+        if version == 0 || version > self.max_version {
             return Err(Error::UnsupportedVersion {
                 found: version,
-                supported: FORMAT_VERSION,
+                supported: if self.max_version == FORMAT_VERSION {
+                    "version 1 only in a migration stream (version 2 is a snapshot file with page images)"
+                } else {
+                    "versions 1 and 2"
+                },
             });
         }
         self.fill(&mut h[12..20], &what)?;
@@ -661,6 +779,7 @@ impl<R: Read> StreamReader<R> {
                     k.is_stream()
                 }
             })
+            .filter(|k| !k.needs_version_2() || self.header.is_some_and(|h| h.version >= 2))
             .ok_or(Error::UnknownKind {
                 kind: h[0],
                 offset: start,
@@ -784,6 +903,57 @@ impl<R: Read> StreamReader<R> {
             Kind::Ready => Frame::Ready,
             Kind::Ack => Frame::Ack,
             Kind::RoundAck => Frame::RoundAck(u32_at(0)),
+            Kind::Images => {
+                if payload.len() < IMAGES_FIXED_LEN as usize {
+                    return Err(malformed(format!("length {len} is too short")));
+                }
+                let n = u32_at(0);
+                if u32_at(4) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                let want = u64::from(IMAGES_FIXED_LEN) + u64::from(IMAGE_ENTRY_LEN) * u64::from(n);
+                if n == 0 || u64::from(len) != want {
+                    return Err(malformed(format!(
+                        "length {len} does not match {n} regions ({want} bytes)"
+                    )));
+                }
+                Frame::Images(
+                    (0..n as usize)
+                        .map(|i| {
+                            let o = IMAGES_FIXED_LEN as usize + i * IMAGE_ENTRY_LEN as usize;
+                            RegionImage {
+                                guest_addr: u64_at(o),
+                                size: u64_at(o + 8),
+                                offset: u64_at(o + 16),
+                            }
+                        })
+                        .collect(),
+                )
+            }
+            Kind::DataPages => {
+                if payload.len() < PAGES_FIXED_LEN {
+                    return Err(malformed(format!("length {len} is too short")));
+                }
+                let addr = u64_at(0);
+                let count = u32_at(8);
+                if u32_at(12) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                let want = PAGES_FIXED_LEN as u64 + 4 * u64::from(count);
+                if count == 0 || u64::from(len) != want {
+                    return Err(malformed(format!(
+                        "length {len} does not match {count} pages ({want} bytes)"
+                    )));
+                }
+                self.check_range(start, addr, count)?;
+                Frame::DataPages {
+                    addr,
+                    crcs: payload[PAGES_FIXED_LEN..]
+                        .chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                }
+            }
             Kind::Pages => return Err(malformed("unexpected Pages frame".into())),
         })
     }

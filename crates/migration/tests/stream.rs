@@ -354,13 +354,30 @@ fn every_truncation_is_refused() {
 fn wrong_magic_version_and_flags() {
     let dst = ram();
     let (file, cfg) = small_snapshot();
+    for version in [0u32, 2, 3] {
+        let mut v = file.clone();
+        v[8..12].copy_from_slice(&version.to_le_bytes());
+        let e = restore_from(&dst, &v[..], &cfg).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!("unsupported migration stream version {version}: this ferrovm reads version 1 only in a migration stream (version 2 is a snapshot file with page images)")
+        );
+    }
+    // A snapshot-file reader takes versions 1 and 2 (and names them).
     let mut v = file.clone();
-    v[8..12].copy_from_slice(&2u32.to_le_bytes());
-    let e = restore_from(&dst, &v[..], &cfg).unwrap_err().to_string();
+    v[8..12].copy_from_slice(&3u32.to_le_bytes());
+    let e = StreamReader::snapshot_file(&v[..])
+        .read_header()
+        .unwrap_err()
+        .to_string();
     assert_eq!(
         e,
-        "unsupported migration stream version 2: this ferrovm reads version 1 only"
+        "unsupported migration stream version 3: this ferrovm reads versions 1 and 2"
     );
+    let h = StreamReader::snapshot_file(&file[..])
+        .read_header()
+        .unwrap();
+    assert_eq!(h.version, 1);
     let mut v = file.clone();
     v[0] = b'Q';
     let e = restore_from(&dst, &v[..], &cfg).unwrap_err().to_string();

@@ -45,6 +45,11 @@ pub struct VmConfig {
     pub serial: SerialOutput,
     pub wired: bool,
     pub api_socket: Option<PathBuf>,
+    /// `--restore-verify`: check all of a snapshot's page data before the guest runs.
+    pub restore_verify: bool,
+    /// `--restore-eager`: copy a snapshot's pages into guest RAM before the guest runs,
+    /// instead of mapping the file.
+    pub restore_eager: bool,
 }
 
 impl VmConfig {
@@ -61,6 +66,8 @@ impl VmConfig {
             serial: SerialOutput::Stdio,
             wired: false,
             api_socket: None,
+            restore_verify: false,
+            restore_eager: false,
         }
     }
 }

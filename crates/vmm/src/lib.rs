@@ -8,6 +8,7 @@ mod error;
 mod interrupts;
 mod machine;
 pub mod memory;
+mod restore;
 mod snapshot;
 mod state;
 mod timers;

@@ -26,6 +26,7 @@ use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
+use crate::restore::RestoreOptions;
 use crate::snapshot::{self, Core};
 use crate::state::DeviceHandles;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
@@ -65,7 +66,7 @@ pub fn run(config: VmConfig) -> Result<Outcome> {
 enum Start {
     /// Already set: the boot protocol's entry state.
     Boot,
-    Restore(std::path::PathBuf),
+    Restore(std::path::PathBuf, RestoreOptions),
     Incoming(TcpListener),
 }
 
@@ -237,6 +238,7 @@ impl Machine {
             kernel_irqchip: config.irqchip == IrqChipKind::Kernel,
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
+            restored: Default::default(),
             // bhyve knows only once a VM exists (VM_SNAPSHOT_REQ is probed on creation).
             kernel_snapshot: caps
                 .kernel_snapshot
@@ -270,7 +272,14 @@ impl Machine {
             vcpus.push(vcpu);
         }
         let start = match (&config.start, incoming) {
-            (StartFrom::Restore(path), _) => Start::Restore(path.clone()),
+            (StartFrom::Restore(path), _) => Start::Restore(
+                path.clone(),
+                RestoreOptions {
+                    verify_first: config.restore_verify,
+                    // Locking guest RAM reads all of it anyway: copy it in.
+                    eager: config.restore_eager || config.wired,
+                },
+            ),
             (_, Some(listener)) => Start::Incoming(listener),
             _ => Start::Boot,
         };
@@ -289,8 +298,17 @@ impl Machine {
     fn prepare_start(&mut self) -> Result<Option<migration::AckSender<std::net::TcpStream>>> {
         let state = match std::mem::replace(&mut self.start, Start::Boot) {
             Start::Boot => return Ok(None),
-            Start::Restore(path) => {
-                let state = snapshot::load_snapshot(&path, &self.core.memory, &self.core.config)?;
+            Start::Restore(path, options) => {
+                let (state, mapped) = snapshot::load_snapshot(
+                    &path,
+                    &self.core.memory,
+                    &self.core.config,
+                    options,
+                    &self.context.exit,
+                )?;
+                if let Some(m) = mapped {
+                    let _ = self.core.restored.set(m);
+                }
                 (state, None)
             }
             Start::Incoming(listener) => {
@@ -309,6 +327,9 @@ impl Machine {
             Err(e) => {
                 if let Some(mut ack) = ack {
                     let _ = ack.fail(&e.to_string());
+                }
+                if let Some(m) = self.core.restored.get() {
+                    m.stop();
                 }
                 Err(e)
             }
@@ -366,10 +387,19 @@ impl Machine {
         if let Some(t) = timer_thread {
             t.stop();
         }
-        if let Some(e) = start_error {
+        // A lazily restored snapshot whose page data proved corrupt: that is the error, however
+        // the guest ended.
+        let corrupt = self.core.restored.get().and_then(|m| {
+            m.stop();
+            m.failure()
+        });
+        if let Some(e) = start_error.or(corrupt) {
             return Err(e);
         }
         match outcome {
+            Some(Outcome::Guest(ExitReason::Failed)) => {
+                Err(Error::Control("the VMM stopped the guest".into()))
+            }
             Some(Outcome::Guest(ExitReason::VcpuFailed(_))) | None => Err(failures
                 .into_iter()
                 .next()

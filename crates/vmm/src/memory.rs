@@ -159,6 +159,16 @@ fn wire(addr: *mut u8, len: usize) -> Result<()> {
     Ok(())
 }
 
+/// Whether guest RAM may be replaced by a private mapping of a snapshot file (a lazy restore,
+/// `migration::SnapshotImage::map_into`): where guest RAM is the VMM's own mapping and the
+/// hypervisor follows whatever is mapped there — Linux, where KVM's memory slots follow host
+/// mapping changes through its MMU notifier. Under bhyve the VM's memory object is mapped over
+/// guest RAM; a file mapped in its place would hide the guest's memory from the VMM, so a
+/// restore there copies the pages in.
+pub fn can_map_files() -> bool {
+    cfg!(target_os = "linux")
+}
+
 /// Registers every RAM region with the VM, one slot each, in address order.
 pub fn map_into_vm(vm: &Arc<dyn Vm>, memory: &GuestMemory) -> Result<Vec<MemoryRegion>> {
     let mut regions = Vec::new();

@@ -19,6 +19,7 @@ use crate::api::{MachineOps, MigrateRequest};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::memory::GuestMemory;
+use crate::restore::{self, MappedSnapshot, RestoreOptions};
 use crate::state::{DeviceHandles, MachineState};
 
 /// How long a pause may take before a snapshot or migration gives up (the guest runs on).
@@ -49,6 +50,8 @@ pub struct Core {
     /// bhyve: only kernels built with `options BHYVE_SNAPSHOT`). Without it, snapshots and
     /// migrations are refused before the guest is paused.
     pub kernel_snapshot: bool,
+    /// Set after a lazy restore: guest RAM is mapped from that snapshot file.
+    pub restored: std::sync::OnceLock<Arc<MappedSnapshot>>,
 }
 
 /// The migration config of a machine: what the destination must match.
@@ -147,30 +150,63 @@ fn progress_json(p: &Progress) -> Value {
 }
 
 impl MachineOps for Core {
+    /// Writes a snapshot file (format version 2, page images) beside `path` and renames it
+    /// into place once complete and on disk: an existing file at `path` — even the one this
+    /// guest was lazily restored from and still maps — is replaced whole, never rewritten in
+    /// place, and a failed snapshot leaves it as it was.
     fn snapshot(&self, path: &Path) -> Result<Value> {
         self.check_kernel_state()?;
+        // The snapshot of a lazily restored guest carries data of the old file on: only once
+        // that is known to be intact.
+        if let Some(m) = self.restored.get() {
+            m.wait_verified()?;
+        }
         let started = Instant::now();
-        let file = File::create(path).map_err(|e| Error::File {
+        let file_err = |reason: String| Error::File {
             path: path.to_path_buf(),
-            reason: format!("cannot create snapshot: {e}"),
-        })?;
-        let vcpus = self
+            reason,
+        };
+        let name = path
+            .file_name()
+            .ok_or_else(|| file_err("cannot create snapshot: not a file name".into()))?;
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(name);
+        tmp_name.push(format!(".{}.tmp", std::process::id()));
+        let tmp = path.with_file_name(tmp_name);
+        let file =
+            File::create(&tmp).map_err(|e| file_err(format!("cannot create snapshot: {e}")))?;
+        let result = self
             .control
-            .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)?;
-        let result = self.machine_state(vcpus).and_then(|state| {
-            let bytes = state.to_bytes()?;
-            migration::snapshot(&*self.memory, &self.config, &bytes, BufWriter::new(file))
-                .map_err(mig_err("snapshot"))
+            .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
+            .and_then(|vcpus| {
+                let result = self.machine_state(vcpus).and_then(|state| {
+                    let bytes = state.to_bytes()?;
+                    let data_pages = self.restored.get().map(|m| m.data_pages());
+                    let ram = migration::FileBackedRam::new(&*self.memory, data_pages);
+                    migration::snapshot_file(&ram, &self.config, &bytes, &file)
+                        .map_err(mig_err("snapshot"))
+                });
+                self.control.resume();
+                result
+            });
+        let paused = started.elapsed();
+        // The guest runs again while the file goes to disk and into place.
+        let result = result.and_then(|report| {
+            file.sync_all()
+                .and_then(|_| std::fs::rename(&tmp, path))
+                .map_err(|e| file_err(format!("cannot write snapshot: {e}")))?;
+            Ok(report)
         });
-        self.control.resume();
         let report = result.inspect_err(|_| {
-            let _ = std::fs::remove_file(path);
+            let _ = std::fs::remove_file(&tmp);
         })?;
         Ok(json!({
             "ok": true,
             "path": path,
-            "paused_ms": ms(started.elapsed()),
+            "paused_ms": ms(paused),
+            "total_ms": ms(started.elapsed()),
             "bytes": report.bytes_total,
+            "file_bytes": report.file_bytes,
             "pages": report.round.pages_sent,
             "zero_pages": report.round.zero_pages,
             "untouched_pages_skipped": report.untouched_pages_skipped,
@@ -181,6 +217,11 @@ impl MachineOps for Core {
         let addr = parse_tcp(&request.destination, "destination")?;
         self.check_kernel_state()
             .map_err(|e| Error::Migration(format!("{e} (the guest keeps running here)")))?;
+        // A lazily restored guest's RAM is migrated only once its snapshot's data is verified.
+        if let Some(m) = self.restored.get() {
+            m.wait_verified()
+                .map_err(|e| Error::Migration(format!("{e} (the guest keeps running here)")))?;
+        }
         let stream = connect(&addr)?;
         stream.set_write_timeout(Some(PEER_TIMEOUT))?;
         stream.set_read_timeout(Some(PEER_TIMEOUT))?;
@@ -228,8 +269,10 @@ impl MachineOps for Core {
             );
             control.paused = true;
         }
+        // After a lazy restore, pages still mapped from the snapshot file hold data too.
+        let data_pages = self.restored.get().map(|m| m.data_pages());
         let result = migration::migrate(
-            &*self.memory,
+            &migration::FileBackedRam::new(&*self.memory, data_pages),
             &self.config,
             dirty,
             &mut control,
@@ -422,7 +465,7 @@ pub fn peek_snapshot_config(path: &Path) -> Result<MigrationConfig> {
         path: path.to_path_buf(),
         reason: format!("cannot open snapshot: {e}"),
     })?;
-    let mut reader = StreamReader::new(BufReader::new(file));
+    let mut reader = StreamReader::snapshot_file(BufReader::new(file));
     match reader.next_frame() {
         Ok(migration::Frame::Config(config)) => Ok(config),
         Ok(_) => Err(Error::File {
@@ -436,23 +479,27 @@ pub fn peek_snapshot_config(path: &Path) -> Result<MigrationConfig> {
     }
 }
 
-/// Loads RAM and the machine state of a snapshot.
+/// Loads RAM and the machine state of a snapshot: maps the file's page images lazily, or
+/// loads them (see `restore.rs`). Returns the mapped snapshot after a lazy restore (its
+/// background verification, if any, is running).
 pub fn load_snapshot(
     path: &Path,
     memory: &GuestMemory,
     expected: &MigrationConfig,
-) -> Result<MachineState> {
-    let file = File::open(path).map_err(|e| Error::File {
-        path: path.to_path_buf(),
-        reason: format!("cannot open snapshot: {e}"),
-    })?;
-    let restored =
-        migration::restore_from(memory, BufReader::with_capacity(1 << 20, file), expected)
-            .map_err(|e| Error::File {
-                path: path.to_path_buf(),
-                reason: format!("bad snapshot: {e}"),
-            })?;
-    MachineState::from_bytes(&restored.state)
+    options: RestoreOptions,
+    exit: &Arc<devices::exit::ExitRequest>,
+) -> Result<(MachineState, Option<Arc<MappedSnapshot>>)> {
+    let loaded = restore::load(path, memory, expected, options, exit)?;
+    log::info!("snapshot {} restored: {}", path.display(), loaded.figures);
+    match MachineState::from_bytes(&loaded.state) {
+        Ok(state) => Ok((state, loaded.mapped)),
+        Err(e) => {
+            if let Some(m) = loaded.mapped {
+                m.stop();
+            }
+            Err(e)
+        }
+    }
 }
 
 /// An incoming migration: the accepted connection's RAM is applied as it arrives; returns
