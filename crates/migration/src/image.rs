@@ -613,15 +613,7 @@ impl SnapshotImage {
         let t = Instant::now();
         let layout = Layout::of(ram)?;
         self.check_layout(&layout)?;
-        let residency = touched_in(&layout, None);
-        let preexisting = if residency.is_exact() {
-            residency.pages
-        } else {
-            Bitmap::new(&layout.page_counts())
-        };
-        let preexisting_pages_zeroed = preexisting.count();
-        let mut applier = PageApplier::new(layout.clone(), preexisting)?;
-        applier.zero_all_maybe_nonzero();
+        let (_, preexisting_pages_zeroed) = PageApplier::onto_idle_ram(layout.clone())?;
         for run in &self.runs {
             let image = &self.images[run.region];
             let mut done = 0;

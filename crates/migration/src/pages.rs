@@ -15,6 +15,7 @@ use vm_memory::VolatileSlice;
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::ram::{Layout, PAGE_SIZE, PAGE_USIZE};
+use crate::resident::touched_in;
 use crate::sink::Batch;
 use crate::stream::{
     page_crc, pages_frame_len, pages_head, Frame, PagesHeader, StreamReader, StreamWriter,
@@ -228,8 +229,24 @@ pub(crate) struct PageApplier {
 }
 
 impl PageApplier {
+    /// An applier onto destination memory no vCPU uses: the pages found holding data
+    /// beforehand (when residency is known exactly; nothing, for fresh memory) are zeroed at
+    /// once, so pages the source never sends read as zero. Also returns how many were zeroed.
+    pub fn onto_idle_ram(layout: Layout) -> Result<(Self, u64)> {
+        let residency = touched_in(&layout, None);
+        let preexisting = if residency.is_exact() {
+            residency.pages
+        } else {
+            Bitmap::new(&layout.page_counts())
+        };
+        let zeroed = preexisting.count();
+        let mut applier = PageApplier::new(layout, preexisting)?;
+        applier.zero_all_maybe_nonzero();
+        Ok((applier, zeroed))
+    }
+
     /// `maybe_nonzero`: pages of the destination that may already hold data.
-    pub fn new(layout: Layout, maybe_nonzero: Bitmap) -> Result<Self> {
+    fn new(layout: Layout, maybe_nonzero: Bitmap) -> Result<Self> {
         if let Some((i, r)) = layout.regions.iter().enumerate().find(|(_, r)| !r.writable) {
             return Err(Error::Layout(format!(
                 "region {i} at {:#x} is mapped read-only: cannot receive guest memory into it",
@@ -311,7 +328,7 @@ impl PageApplier {
 
     /// Zeroes every page that may hold data (destination memory that was touched before the
     /// stream began).
-    pub fn zero_all_maybe_nonzero(&mut self) {
+    fn zero_all_maybe_nonzero(&mut self) {
         for ri in 0..self.layout.regions.len() {
             let runs: Vec<(u64, u64)> = self.maybe_nonzero.runs(ri, u64::MAX).collect();
             for (p, n) in runs {

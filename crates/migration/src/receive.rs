@@ -6,12 +6,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Serialize, Serializer};
 
-use crate::bitmap::Bitmap;
 use crate::config::{ConfigCheck, MigrationConfig};
 use crate::error::{Error, Result};
 use crate::pages::PageApplier;
 use crate::ram::{GuestRam, Layout};
-use crate::resident::touched_in;
 use crate::stream::{
     pages_frame_len, send_reply, Frame, StreamReader, MAX_STATE_TOTAL, ZERO_PAGES_FRAME_LEN,
 };
@@ -189,15 +187,7 @@ where
     reader.set_ram_ranges(layout.ranges());
 
     // Memory of the destination that already holds data (nothing, for a fresh VM).
-    let residency = touched_in(&layout, None);
-    let preexisting = if residency.is_exact() {
-        residency.pages
-    } else {
-        Bitmap::new(&layout.page_counts())
-    };
-    let preexisting_pages_zeroed = preexisting.count();
-    let mut applier = PageApplier::new(layout, preexisting)?;
-    applier.zero_all_maybe_nonzero();
+    let (mut applier, preexisting_pages_zeroed) = PageApplier::onto_idle_ram(layout)?;
 
     if let Some(w) = replies.as_mut() {
         send_reply(w, &Frame::Ready)?;
