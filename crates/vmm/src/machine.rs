@@ -209,7 +209,11 @@ impl Machine {
         if caps.rtc_in_kernel && entry.is_some() {
             // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
             // would write (a restore brings them back with the kernel's state instead).
-            vm.init_kernel_rtc(unix_now_secs(), &rtc_memory_sizes(config.memory))?;
+            let (below_4g, above_4g) = ram_below_and_above_4g(config.memory);
+            vm.init_kernel_rtc(
+                unix_now_secs(),
+                &devices::rtc::cmos_memory_sizes(below_4g, above_4g),
+            )?;
         }
         let context = Arc::new(VcpuContext {
             pio: Arc::new(IoDispatcher::new("pio", Arc::new(pio))),
@@ -239,11 +243,8 @@ impl Machine {
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
             restored: Default::default(),
-            // bhyve knows only once a VM exists (VM_SNAPSHOT_REQ is probed on creation).
-            kernel_snapshot: caps
-                .kernel_snapshot
-                .or_else(|| hv.capabilities().kernel_snapshot)
-                != Some(false),
+            // Asked again now that the VM exists: bhyve probes VM_SNAPSHOT_REQ on creation.
+            kernel_snapshot: hv.capabilities().kernel_snapshot != Some(false),
         });
         let api = match &config.api_socket {
             Some(path) => {
@@ -340,8 +341,9 @@ impl Machine {
         let mut ack = self.prepare_start()?;
         let signals = SignalWatch::install()?;
         let timer_thread = match self.timers.take() {
-            Some(devices) => Some(TimerThread::spawn(devices)?),
-            None => None,
+            Some(devices) if devices.has_timers() => Some(TimerThread::spawn(devices)?),
+            // Nothing to drive (bhyve: the PIT and RTC are in the kernel).
+            _ => None,
         };
         let mut threads = Vec::new();
         let mut start_error = None;
@@ -467,9 +469,10 @@ fn stop_vcpus(context: &VcpuContext, threads: Vec<VcpuThread>) -> Vec<Error> {
     failures
 }
 
-fn rtc_memory_sizes(memory: u64) -> Vec<(u8, u8)> {
+/// Guest RAM below the 32-bit MMIO hole and above 4 GiB, as firmware reports it.
+fn ram_below_and_above_4g(memory: u64) -> (u64, u64) {
     let below_4g = memory.min(boot::layout::MMIO_HOLE_START);
-    devices::rtc::cmos_memory_sizes(below_4g, memory - below_4g)
+    (below_4g, memory - below_4g)
 }
 
 fn unix_now_secs() -> i64 {
@@ -502,8 +505,8 @@ fn build_buses(
     } else {
         let mut rtc = Rtc::new(IrqPin::new(irqchip.clone(), RTC_IRQ));
         rtc.set_waker(timer_wake.clone());
-        let below_4g = config.memory.min(boot::layout::MMIO_HOLE_START);
-        rtc.set_memory_sizes(below_4g, config.memory - below_4g);
+        let (below_4g, above_4g) = ram_below_and_above_4g(config.memory);
+        rtc.set_memory_sizes(below_4g, above_4g);
         Some(rtc.register(&mut pio).map_err(devices_err)?)
     };
     let sink = match &config.serial {

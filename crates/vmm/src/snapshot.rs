@@ -77,12 +77,17 @@ pub fn migration_config(
 }
 
 impl Core {
-    /// Fails, with the accelerator's own explanation, when the kernel cannot save the
-    /// VM's in-kernel state: checked before a snapshot or migration pauses anything.
-    fn check_kernel_state(&self) -> Result<()> {
+    /// Checked before a snapshot or migration pauses anything: fails, with the accelerator's
+    /// own explanation, when the kernel cannot save the VM's in-kernel state; after a lazy
+    /// restore, waits until the snapshot's page data is known to be intact (the new copy
+    /// carries it on with fresh checksums) and fails if it is not.
+    fn check_can_save(&self) -> Result<()> {
         if self.kernel_irqchip && !self.kernel_snapshot {
             // The backend knows it cannot and answers at once, naming what is missing.
             self.vm.irqchip_state()?;
+        }
+        if let Some(m) = self.restored.get() {
+            m.wait_verified()?;
         }
         Ok(())
     }
@@ -155,12 +160,7 @@ impl MachineOps for Core {
     /// guest was lazily restored from and still maps — is replaced whole, never rewritten in
     /// place, and a failed snapshot leaves it as it was.
     fn snapshot(&self, path: &Path) -> Result<Value> {
-        self.check_kernel_state()?;
-        // The snapshot of a lazily restored guest carries data of the old file on: only once
-        // that is known to be intact.
-        if let Some(m) = self.restored.get() {
-            m.wait_verified()?;
-        }
+        self.check_can_save()?;
         let started = Instant::now();
         let file_err = |reason: String| Error::File {
             path: path.to_path_buf(),
@@ -215,13 +215,8 @@ impl MachineOps for Core {
 
     fn migrate(&self, request: &MigrateRequest, progress: &mut dyn FnMut(Value)) -> Result<Value> {
         let addr = parse_tcp(&request.destination, "destination")?;
-        self.check_kernel_state()
+        self.check_can_save()
             .map_err(|e| Error::Migration(format!("{e} (the guest keeps running here)")))?;
-        // A lazily restored guest's RAM is migrated only once its snapshot's data is verified.
-        if let Some(m) = self.restored.get() {
-            m.wait_verified()
-                .map_err(|e| Error::Migration(format!("{e} (the guest keeps running here)")))?;
-        }
         let stream = connect(&addr)?;
         stream.set_write_timeout(Some(PEER_TIMEOUT))?;
         stream.set_read_timeout(Some(PEER_TIMEOUT))?;

@@ -59,6 +59,21 @@ fn restore_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::State(format!("{what}: {e}"))
 }
 
+/// Restores a device this machine may or may not have: both present, restore; both absent,
+/// nothing to do; one without the other, the state belongs to another machine shape.
+fn restore_if_present<D, S>(
+    device: Option<&D>,
+    state: Option<&S>,
+    mismatch: &str,
+    restore: impl FnOnce(&D, &S) -> Result<()>,
+) -> Result<()> {
+    match (device, state) {
+        (Some(d), Some(s)) => restore(d, s),
+        (None, None) => Ok(()),
+        _ => Err(Error::State(mismatch.into())),
+    }
+}
+
 impl DeviceHandles {
     pub fn save(&self) -> DevicesState {
         DevicesState {
@@ -85,33 +100,24 @@ impl DeviceHandles {
         lock(&self.acpi_pm)
             .restore(&state.acpi_pm)
             .map_err(|e| restore_err("ACPI PM", e))?;
-        match (&self.rtc, &state.rtc) {
-            (Some(rtc), Some(s)) => lock(rtc).restore(s).map_err(|e| restore_err("RTC", e))?,
-            (None, None) => {}
-            _ => {
-                return Err(Error::State(
-                    "the RTC state is from an accelerator that models it elsewhere".into(),
-                ))
-            }
-        }
-        match (&self.pit, &state.pit) {
-            (Some(pit), Some(s)) => lock(pit).restore(s).map_err(|e| restore_err("PIT", e))?,
-            (None, None) => {}
-            _ => {
-                return Err(Error::State(
-                    "the PIT belongs to another irqchip mode".into(),
-                ))
-            }
-        }
-        match (&self.split, &state.split_irqchip) {
-            (Some(chip), Some(s)) => chip.restore(s).map_err(|e| restore_err("irqchip", e))?,
-            (None, None) => {}
-            _ => {
-                return Err(Error::State(
-                    "the state is from another irqchip mode".into(),
-                ))
-            }
-        }
+        restore_if_present(
+            self.rtc.as_ref(),
+            state.rtc.as_ref(),
+            "the RTC state is from an accelerator that models it elsewhere",
+            |rtc, s| lock(rtc).restore(s).map_err(|e| restore_err("RTC", e)),
+        )?;
+        restore_if_present(
+            self.pit.as_ref(),
+            state.pit.as_ref(),
+            "the PIT belongs to another irqchip mode",
+            |pit, s| lock(pit).restore(s).map_err(|e| restore_err("PIT", e)),
+        )?;
+        restore_if_present(
+            self.split.as_ref(),
+            state.split_irqchip.as_ref(),
+            "the state is from another irqchip mode",
+            |chip, s| chip.restore(s).map_err(|e| restore_err("irqchip", e)),
+        )?;
         Ok(())
     }
 }

@@ -39,6 +39,13 @@ pub struct TimerDevices {
     pub wake: Arc<TimerWake>,
 }
 
+impl TimerDevices {
+    /// Whether any device here needs the timer thread.
+    pub fn has_timers(&self) -> bool {
+        self.pit.is_some() || self.rtc.is_some()
+    }
+}
+
 pub struct TimerThread {
     stop: Arc<AtomicBool>,
     wake: Arc<TimerWake>,
