@@ -37,6 +37,8 @@ pub mod fw_cfg;
 /// The PC's reset line.
 pub mod i8042;
 pub mod irqchip;
+/// Pause, resume, save, restore, reset: the one device lifecycle.
+pub mod lifecycle;
 pub mod pit;
 pub mod rtc;
 /// The guest console.
@@ -45,6 +47,7 @@ pub mod state;
 
 pub use bus::{Bus, BusDevice, BusError, IoDispatcher};
 pub use exit::{ExitReason, ExitRequest};
+pub use lifecycle::{DeviceState, Lifecycle, LifecycleError};
 pub use state::StateError;
 
 #[cfg(test)]

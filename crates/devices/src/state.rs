@@ -14,7 +14,7 @@ pub struct StateError {
 }
 
 impl StateError {
-    pub(crate) fn new(device: &'static str, detail: impl Into<String>) -> Self {
+    pub fn new(device: &'static str, detail: impl Into<String>) -> Self {
         StateError {
             device,
             detail: detail.into(),

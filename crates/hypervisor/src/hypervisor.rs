@@ -43,6 +43,10 @@ pub struct Capabilities {
     pub x2apic_api: bool,
     pub user_space_msr: bool,
     pub immediate_exit: bool,
+    /// Eventfds inject interrupts through GSI routes (`Vm::register_irqfd`).
+    pub irqfd: bool,
+    /// Guest writes signal eventfds in the kernel (`Vm::register_ioeventfd`).
+    pub ioeventfd: bool,
     /// The vCPU ioctls read and write the XSAVE area, the XCRs and the pending events.
     /// Where the kernel has no such ioctl (bhyve: no FPU, XSAVE, XCR or LAPIC access), the
     /// vCPU answers `HypervisorError::Unsupported`, `save_vcpu_state` leaves the part out,

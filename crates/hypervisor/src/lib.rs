@@ -28,4 +28,7 @@ pub use hypervisor::{
 pub use kick::VcpuKicker;
 pub use state::{restore_vcpu_state, save_vcpu_state, VcpuState, SNAPSHOT_MSRS};
 pub use vcpu::{Vcpu, VcpuExit};
-pub use vm::{ClockData, IrqChipMode, IrqChipState, KernelBlob, MemoryRegion, MsiMessage, Vm};
+pub use vm::{
+    ClockData, IoEventAddress, IrqChipMode, IrqChipState, KernelBlob, MemoryRegion, MsiMessage, Vm,
+    FIRST_MSI_GSI,
+};

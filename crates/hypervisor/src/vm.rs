@@ -1,4 +1,8 @@
+use std::os::unix::io::RawFd;
+
 use serde::{Deserialize, Serialize};
+
+use crate::HypervisorError;
 
 use crate::{Result, Vcpu};
 
@@ -38,6 +42,18 @@ impl MsiMessage {
             data: u32::from(vector),
         }
     }
+}
+
+/// The first GSI free for device MSIs (`Vm::set_msi_route`): the ones below belong to the
+/// interrupt controllers' pins.
+pub const FIRST_MSI_GSI: u32 = 24;
+
+/// A guest write the kernel turns into an eventfd signal without leaving the kernel
+/// (`Vm::register_ioeventfd`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoEventAddress {
+    Pio(u64),
+    Mmio(u64),
 }
 
 /// The guest's kvmclock-style clock, saved and restored so time does not jump.
@@ -98,6 +114,48 @@ pub trait Vm: Send + Sync {
     /// split irqchip needs them to know which vectors are level-triggered, so that their EOI
     /// comes back as `VcpuExit::IoapicEoi`. Pins not listed get no route.
     fn set_msi_routes(&self, routes: &[(u32, MsiMessage)]) -> Result<()>;
+
+    /// Makes `gsi` (at or above [`FIRST_MSI_GSI`]) send `msi` when an irqfd registered on it
+    /// is signalled, or removes its route (`None`). The backend merges these routes with the
+    /// ones the interrupt controllers need. Unsupported where the kernel has no irqfd
+    /// (`Capabilities::irqfd`); devices then inject with `signal_msi`.
+    fn set_msi_route(&self, gsi: u32, msi: Option<MsiMessage>) -> Result<()> {
+        let _ = (gsi, msi);
+        Err(HypervisorError::Unsupported("irqfd routes".into()))
+    }
+    /// Signalling eventfd `fd` injects GSI `gsi` (an MSI route set with `set_msi_route`).
+    /// The caller keeps `fd` open until `unregister_irqfd`.
+    fn register_irqfd(&self, fd: RawFd, gsi: u32) -> Result<()> {
+        let _ = (fd, gsi);
+        Err(HypervisorError::Unsupported("irqfd".into()))
+    }
+    fn unregister_irqfd(&self, fd: RawFd, gsi: u32) -> Result<()> {
+        let _ = (fd, gsi);
+        Err(HypervisorError::Unsupported("irqfd".into()))
+    }
+    /// A guest write of `len` bytes to `addr` (matching `datamatch` when given) signals `fd`
+    /// in the kernel, with no exit to user space. Unsupported where the kernel lacks it
+    /// (`Capabilities::ioeventfd`): the write then reaches the device model as an exit.
+    fn register_ioeventfd(
+        &self,
+        fd: RawFd,
+        addr: IoEventAddress,
+        len: u32,
+        datamatch: Option<u64>,
+    ) -> Result<()> {
+        let _ = (fd, addr, len, datamatch);
+        Err(HypervisorError::Unsupported("ioeventfd".into()))
+    }
+    fn unregister_ioeventfd(
+        &self,
+        fd: RawFd,
+        addr: IoEventAddress,
+        len: u32,
+        datamatch: Option<u64>,
+    ) -> Result<()> {
+        let _ = (fd, addr, len, datamatch);
+        Err(HypervisorError::Unsupported("ioeventfd".into()))
+    }
 
     // Dirty-page tracking for pre-copy migration.
     //

@@ -198,6 +198,9 @@ impl Hypervisor for BhyveHypervisor {
             api_version: abi.major(),
             max_vcpus: host.max_vcpus,
             max_memslots: abi.max_sysmem_segments() as usize,
+            // vmm.ko has neither: devices take notifications as exits and inject MSIs.
+            irqfd: false,
+            ioeventfd: false,
             // LAPIC, IOAPIC, 8259, PIT, HPET, RTC and PM timer are always in the kernel;
             // there is no way to move the PIC/IOAPIC to user space.
             irqchip_kernel: true,

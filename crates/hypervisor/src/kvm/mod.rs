@@ -148,6 +148,9 @@ impl Hypervisor for KvmHypervisor {
                 .check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into())
                 > 0,
             x2apic_api: kvm.check_extension(Cap::X2ApicApi),
+            // Implemented by the backend in a later change; reported false until then.
+            irqfd: false,
+            ioeventfd: false,
             user_space_msr: kvm.check_extension(Cap::X86UserSpaceMsr),
             immediate_exit: kvm.check_extension(Cap::ImmediateExit),
             xsave: kvm.check_extension(Cap::Xsave),
