@@ -103,6 +103,10 @@ impl Waker {
     pub fn wake_fd(&self) -> RawFd {
         self.0.as_raw_fd()
     }
+    /// Consumes every wake-up so far; returns whether there was one.
+    pub fn drain(&self) -> bool {
+        self.0.read().is_ok()
+    }
 }
 
 #[cfg(all(unix, not(any(target_os = "linux", target_os = "android"))))]
@@ -132,6 +136,16 @@ impl Waker {
     /// any bytes) wakes the poller, and write(2) is async-signal-safe.
     pub fn wake_fd(&self) -> RawFd {
         self.writer.as_raw_fd()
+    }
+    /// Consumes every wake-up so far; returns whether there was one.
+    pub fn drain(&self) -> bool {
+        use std::io::Read;
+        let mut woken = false;
+        let mut buf = [0u8; 64];
+        while matches!((&self.reader).read(&mut buf), Ok(n) if n > 0) {
+            woken = true;
+        }
+        woken
     }
 }
 

@@ -34,7 +34,10 @@ impl DeviceState {
         if self.version != version {
             return Err(StateError::new(
                 device,
-                format!("state version {} (this build reads {version})", self.version),
+                format!(
+                    "state version {} (this build reads {version})",
+                    self.version
+                ),
             ));
         }
         serde_json::from_value(self.data.clone())

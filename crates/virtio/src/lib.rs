@@ -1,0 +1,77 @@
+//! virtio 1.x devices and their PCI transport.
+//!
+//! A device model implements [`VirtioDevice`]: what it offers (type, features, queue
+//! sizes, configuration space) and what it does once the driver sets DRIVER_OK
+//! ([`VirtioDevice::activate`]): it gets its queues, each with the [`Waker`] that the
+//! guest's notifications signal (an ioeventfd on KVM, a write from the transport
+//! elsewhere), and an [`Interrupt`] to raise. Devices do their work on their own threads,
+//! never on a vCPU thread.
+//!
+//! The PCI transport (`VirtioPciDevice`) turns a `VirtioDevice` into a `pci::PciDevice`.
+
+use std::sync::Arc;
+
+use devices::exit::Waker;
+use devices::{DeviceState, LifecycleError, StateError};
+use vm_memory::GuestMemory;
+
+/// Device type numbers (virtio 1.2, section 5).
+pub mod device_type {
+    pub const NET: u32 = 1;
+    pub const BLOCK: u32 = 2;
+    pub const CONSOLE: u32 = 3;
+    pub const RNG: u32 = 4;
+    pub const VSOCK: u32 = 19;
+}
+
+/// How a device tells the driver that a queue has used buffers or its configuration
+/// changed. The transport implements it (MSI-X vector, or INTx plus the ISR byte).
+pub trait Interrupt: Send + Sync {
+    fn signal_queue(&self, queue: u16);
+    fn signal_config(&self);
+}
+
+/// One queue handed to a device at activation.
+pub struct ActiveQueue {
+    pub index: u16,
+    pub queue: virtio_queue::Queue,
+    /// Signalled on every guest notification of this queue.
+    pub notify: Arc<Waker>,
+}
+
+/// Why a device cannot start with what the driver set up.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ActivateError(pub String);
+
+/// A virtio device model, independent of the transport.
+pub trait VirtioDevice<M: GuestMemory + Send + Sync + 'static>: Send {
+    /// One of [`device_type`].
+    fn device_type(&self) -> u32;
+    /// Maximum size of each queue; the length is the number of queues.
+    fn queue_max_sizes(&self) -> Vec<u16>;
+    /// Feature bits the device offers (VIRTIO_F_VERSION_1 included).
+    fn features(&self) -> u64;
+    /// Reads the device-specific configuration space.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes the device-specific configuration space (ignored where read-only).
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// DRIVER_OK: start serving `queues` (the ready ones) with `acked_features`.
+    fn activate(
+        &mut self,
+        mem: Arc<M>,
+        acked_features: u64,
+        queues: Vec<ActiveQueue>,
+        interrupt: Arc<dyn Interrupt>,
+    ) -> Result<(), ActivateError>;
+    /// Device reset by the driver: stop serving (after finishing what is in flight) and
+    /// give the queues back, their positions as the device left them.
+    fn reset(&mut self) -> Vec<ActiveQueue>;
+    /// Stop taking requests and complete those in flight (snapshot, migration).
+    fn pause(&mut self) -> Result<(), LifecycleError>;
+    /// Undo `pause`, re-checking every queue for work that arrived meanwhile.
+    fn resume(&mut self) -> Result<(), LifecycleError>;
+    /// The device's own state (not the queues, which the transport saves).
+    fn save(&self) -> Result<DeviceState, LifecycleError>;
+    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError>;
+}
