@@ -7,7 +7,9 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
-use vmm::config::{parse_memory_size, parse_serial, IrqChipKind, StartFrom, VmConfig};
+use vmm::config::{
+    parse_console, parse_disk, parse_memory_size, parse_serial, IrqChipKind, StartFrom, VmConfig,
+};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -69,9 +71,18 @@ pub struct RunArgs {
     /// Serial console: stdio, file:PATH or none.
     #[arg(long, value_name = "stdio|file:PATH|none", default_value = "stdio")]
     pub serial: String,
-    /// Block device backed by a file.
-    #[arg(long, value_name = "PATH[,readonly]")]
-    pub disk: Option<String>,
+    /// A virtio-blk disk on a raw image (file or block device); repeatable.
+    #[arg(
+        long,
+        value_name = "PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]"
+    )]
+    pub disk: Vec<String>,
+    /// `virtio`: add a virtio console (hvc0) writing where --serial writes.
+    #[arg(long, value_name = "virtio")]
+    pub console: Option<String>,
+    /// Add a virtio-rng device fed by the host's getrandom.
+    #[arg(long)]
+    pub rng: bool,
     /// Network device on a tap interface.
     #[arg(long, value_name = "tap=NAME")]
     pub net: Option<String>,
@@ -100,10 +111,7 @@ pub struct RunArgs {
 
 impl RunArgs {
     pub fn into_config(self) -> anyhow::Result<VmConfig> {
-        let unsupported = [
-            ("--disk", self.disk.is_some()),
-            ("--net", self.net.is_some()),
-        ];
+        let unsupported = [("--net", self.net.is_some())];
         if let Some((option, _)) = unsupported.iter().find(|(_, given)| *given) {
             bail!("{option}: not supported yet");
         }
@@ -138,6 +146,15 @@ impl RunArgs {
         config.api_socket = self.api_socket;
         config.restore_verify = restore_verify;
         config.restore_eager = restore_eager;
+        config.disks = self
+            .disk
+            .iter()
+            .map(|d| parse_disk(d))
+            .collect::<Result<_, _>>()?;
+        if let Some(console) = &self.console {
+            config.console = parse_console(console)?;
+        }
+        config.rng = self.rng;
         Ok(config)
     }
 }

@@ -21,6 +21,41 @@ pub enum SerialOutput {
     None,
 }
 
+/// How a disk's writes reach the image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskCache {
+    /// Through the host page cache; durability comes from FLUSH (or, without it, a sync of
+    /// every write).
+    Writeback,
+    /// `O_DIRECT`: around the host page cache.
+    None,
+}
+
+/// One `--disk PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    pub readonly: bool,
+    /// What GET_ID returns (at most 20 bytes).
+    pub serial: Option<String>,
+    pub cache: DiskCache,
+    pub queues: u16,
+}
+
+/// Longest serial a virtio-blk GET_ID can return.
+pub const DISK_SERIAL_MAX: usize = 20;
+/// Most queues a disk may have.
+pub const DISK_QUEUES_MAX: u16 = 16;
+
+/// Where the virtio console's output goes, when there is one (`--console virtio`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConsoleConfig {
+    /// No virtio console: the 16550 is the console.
+    Serial,
+    /// A virtio console writing to the serial port's destination (stdout, a file).
+    Virtio,
+}
+
 /// What the machine starts from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StartFrom {
@@ -47,6 +82,11 @@ pub struct VmConfig {
     pub api_socket: Option<PathBuf>,
     /// `--restore-verify`: check all of a snapshot's page data before the guest runs.
     pub restore_verify: bool,
+    /// `--disk`, in order: the first is the first virtio-blk device on the PCI bus.
+    pub disks: Vec<DiskConfig>,
+    pub console: ConsoleConfig,
+    /// `--rng`: a virtio-rng device fed by the host's getrandom.
+    pub rng: bool,
     /// `--restore-eager`: copy a snapshot's pages into guest RAM before the guest runs,
     /// instead of mapping the file.
     pub restore_eager: bool,
@@ -68,6 +108,9 @@ impl VmConfig {
             api_socket: None,
             restore_verify: false,
             restore_eager: false,
+            disks: Vec::new(),
+            console: ConsoleConfig::Serial,
+            rng: false,
         }
     }
 }
@@ -100,6 +143,69 @@ pub fn parse_memory_size(text: &str) -> Result<u64> {
         .checked_mul(1u64 << shift)
         .filter(|v| v >> shift == number)
         .ok_or_else(bad)
+}
+
+/// Parses one `--disk` value.
+pub fn parse_disk(text: &str) -> Result<DiskConfig> {
+    let bad = |reason: String| Error::Option {
+        option: "--disk",
+        value: text.to_string(),
+        reason,
+    };
+    let mut fields = text.split(',');
+    let path = fields.next().unwrap_or_default();
+    if path.is_empty() {
+        return Err(bad(
+            "expected PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]".into(),
+        ));
+    }
+    let mut disk = DiskConfig {
+        path: PathBuf::from(path),
+        readonly: false,
+        serial: None,
+        cache: DiskCache::Writeback,
+        queues: 1,
+    };
+    for field in fields {
+        match field.split_once('=') {
+            None if field == "readonly" || field == "ro" => disk.readonly = true,
+            Some(("serial", s)) if s.len() <= DISK_SERIAL_MAX && s.is_ascii() => {
+                disk.serial = Some(s.to_string())
+            }
+            Some(("serial", _)) => {
+                return Err(bad(format!(
+                    "serial must be ASCII and at most {DISK_SERIAL_MAX} bytes"
+                )))
+            }
+            Some(("cache", "writeback")) => disk.cache = DiskCache::Writeback,
+            Some(("cache", "none")) => disk.cache = DiskCache::None,
+            Some(("cache", other)) => {
+                return Err(bad(format!("cache={other}: expected writeback or none")))
+            }
+            Some(("queues", n)) => {
+                disk.queues = n
+                    .parse()
+                    .ok()
+                    .filter(|q| (1..=DISK_QUEUES_MAX).contains(q))
+                    .ok_or_else(|| bad(format!("queues={n}: expected 1 to {DISK_QUEUES_MAX}")))?
+            }
+            _ => return Err(bad(format!("unknown disk option {field:?}"))),
+        }
+    }
+    Ok(disk)
+}
+
+/// Parses `--console`.
+pub fn parse_console(text: &str) -> Result<ConsoleConfig> {
+    match text {
+        "virtio" => Ok(ConsoleConfig::Virtio),
+        "serial" => Ok(ConsoleConfig::Serial),
+        _ => Err(Error::Option {
+            option: "--console",
+            value: text.to_string(),
+            reason: "expected virtio or serial".into(),
+        }),
+    }
 }
 
 pub fn parse_serial(text: &str) -> Result<SerialOutput> {
@@ -139,6 +245,33 @@ mod tests {
             "18446744073709551615T",
         ] {
             assert!(parse_memory_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn disks() {
+        let d = parse_disk("/img").unwrap();
+        assert_eq!(d.path, PathBuf::from("/img"));
+        assert!(!d.readonly && d.serial.is_none() && d.queues == 1);
+        assert_eq!(d.cache, DiskCache::Writeback);
+        let d = parse_disk("a.img,readonly,serial=disk0,cache=none,queues=4").unwrap();
+        assert!(d.readonly);
+        assert_eq!(d.serial.as_deref(), Some("disk0"));
+        assert_eq!(d.cache, DiskCache::None);
+        assert_eq!(d.queues, 4);
+        for bad in [
+            "",
+            ",readonly",
+            "a,queues=0",
+            "a,queues=17",
+            "a,queues=x",
+            "a,cache=unsafe",
+            "a,serial=123456789012345678901",
+            "a,bogus",
+            "a,readonly=yes",
+        ] {
+            let e = parse_disk(bad).unwrap_err().to_string();
+            assert!(e.contains("--disk"), "{bad}: {e}");
         }
     }
 

@@ -21,7 +21,7 @@ use hypervisor::{
 };
 
 use crate::api::{Api, MachineInfo, SocketGuard};
-use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
+use crate::config::{ConsoleConfig, IrqChipKind, SerialOutput, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
@@ -117,6 +117,13 @@ impl Machine {
             };
         }
         let config = &config;
+        if !config.disks.is_empty() || config.rng || config.console != ConsoleConfig::Serial {
+            return Err(Error::Option {
+                option: "--disk/--rng/--console",
+                value: String::new(),
+                reason: "virtio devices are not supported yet".into(),
+            });
+        }
         memory::validate_size(config.memory, &config.memory_text)?;
         let mut kernel = match &config.start {
             StartFrom::Kernel(path) => Some(open_kernel(config, path)?),
