@@ -10,6 +10,9 @@
  *   mmio-read   32-bit load from 0xd0000000
  *   nop         the same loop with NOPs instead (no exit): the loop's own cost,
  *               which in ring 0 on PVM hosts is instruction emulation
+ *   cr8-write   MOV to CR8 (the task-priority register; ring 0 only): what a guest
+ *               that hammers the TPR pays per write.  No exit at all where the CPU
+ *               shadows the TPR; a kernel exit (or, on PVM, emulation) otherwise
  *
  * each from ring 3 and from ring 0, `n3=` / `n0=` accesses per measurement (8 per
  * loop iteration, unrolled), `reps=` rounds, tests interleaved within a round.
@@ -21,9 +24,9 @@
 #define PIO_PORT	0x3ff
 #define MMIO_ADDR	0xd0000000UL
 
-enum { T_NOP, T_PIO_OUT, T_PIO_IN, T_MMIO_WRITE, T_MMIO_READ, T_COUNT };
+enum { T_NOP, T_PIO_OUT, T_PIO_IN, T_MMIO_WRITE, T_MMIO_READ, T_CR8, T_COUNT };
 static const char *const test_name[T_COUNT] = {
-	"nop", "pio-out", "pio-in", "mmio-write", "mmio-read",
+	"nop", "pio-out", "pio-in", "mmio-write", "mmio-read", "cr8-write",
 };
 
 #define REP8(x) x x x x x x x x
@@ -63,6 +66,11 @@ static u64 __attribute__((noinline)) measure(u64 test)
 			REP8(sink += *mmio;)
 		}
 		break;
+	case T_CR8:
+		/* Priority 0 masks nothing, so the writes change no behaviour. */
+		for (u64 i = 0; i < n; i++)
+			__asm__ volatile(REP8("mov %0, %%cr8\n\t") :: "r"(0UL) : "memory");
+		break;
 	}
 	t1 = rdtsc();
 	__asm__ volatile("" :: "r"(sink));
@@ -82,6 +90,8 @@ void guest_main(void)
 		for (int ring = 3; ring >= 0; ring -= 3) {
 			u64 n = ring ? n3 : n0;
 			for (u64 t = 0; t < T_COUNT; t++) {
+				if (t == T_CR8 && ring)
+					continue;	/* privileged: #GP in ring 3 */
 				iters = n / 8;
 				u64 c = ring ? enter_ring3(measure, t) : measure(t);
 				printf("exit: ring=%d test=%s rep=%lu n=%lu cycles=%lu\n",
