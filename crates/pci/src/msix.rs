@@ -370,6 +370,11 @@ impl Msix {
         }
     }
 
+    /// Checks that `state` fits this table, without loading it.
+    pub fn validate(&self, state: &MsixState) -> Result<(), StateError> {
+        validate_state(state, self.table_size())
+    }
+
     /// Loads a saved state (refused, leaving this as it was, if it does not fit this
     /// table), then tells the target every entry's effective message.
     pub fn restore(&mut self, state: &MsixState) -> Result<(), StateError> {
