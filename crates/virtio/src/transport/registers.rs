@@ -272,8 +272,11 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioPciDevice<M> {
 
     /// A configuration-space write of `data` at byte `sub` of dword `offset`.
     pub(super) fn write_config_bytes(&mut self, offset: u16, sub: u8, data: &[u8]) {
-        let start = usize::from(offset & !3) + usize::from(sub & 3);
-        let data = &data[..data.len().min(4 - usize::from(sub & 3))];
+        if sub > 3 {
+            return; // not a byte of this dword
+        }
+        let start = usize::from(offset & !3) + usize::from(sub);
+        let data = &data[..data.len().min(4 - usize::from(sub))];
         let msix = usize::from(CAP_MSIX);
         if (msix..msix + pci::msix::MSIX_CAP_LEN).contains(&start) {
             self.interrupt

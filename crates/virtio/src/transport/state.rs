@@ -196,20 +196,23 @@ impl<M: GuestMemory + Send + Sync + 'static> Lifecycle for VirtioPciDevice<M> {
         self.device.pause()
     }
 
-    /// Resumes the device; one restored as active is activated again and every queue is
-    /// kicked, so requests the guest queued before the snapshot are seen.
+    /// Resumes the device. One restored as active is activated again (then resumed, in
+    /// case it was paused before the restore) and every queue is kicked, so requests the
+    /// guest queued before the snapshot are seen.
     fn resume(&mut self) -> Result<(), LifecycleError> {
         if !std::mem::take(&mut self.activate_on_resume) {
             return self.device.resume();
         }
         self.activate();
-        if self.active {
-            for (waker, regs) in self.notifiers.iter().zip(&self.common.queues) {
-                if regs.enabled {
-                    waker
-                        .wake()
-                        .map_err(|e| LifecycleError(format!("{}: kick: {e}", self.id)))?;
-                }
+        if !self.active {
+            return Ok(()); // the guest sees DEVICE_NEEDS_RESET
+        }
+        self.device.resume()?;
+        for (waker, regs) in self.notifiers.iter().zip(&self.common.queues) {
+            if regs.enabled {
+                waker
+                    .wake()
+                    .map_err(|e| LifecycleError(format!("{}: kick: {e}", self.id)))?;
             }
         }
         Ok(())

@@ -56,6 +56,7 @@ fn save_restore_resume_round_trip() {
 
     other.dev.resume().unwrap();
     assert!(other.dev.is_active());
+    assert_eq!(lock(&other.log).calls, ["activate", "resume"]);
     let wakers = other.dev.notify_events();
     assert!(wakers.iter().all(|(_, w)| w.drain()), "every queue kicked");
     {
