@@ -268,3 +268,53 @@ fn restore_refuses_what_cannot_be() {
     assert!(rec.take().is_empty());
     assert_eq!(m.save(), good);
 }
+
+#[test]
+fn random_accesses_never_panic_and_keep_the_invariants() {
+    let (mut m, rec) = msix(70);
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for _ in 0..50_000 {
+        let r = next();
+        let len = [0usize, 1, 2, 3, 4, 8, 16][(r % 7) as usize];
+        let offset = match (r >> 8) % 4 {
+            0 => next(),
+            1 => next() % (m.table_bytes() + 32),
+            _ => (next() % 70) * ENTRY_SIZE + [0, 4, 8, 12][(r >> 16) as usize % 4],
+        };
+        let mut data = next().to_le_bytes().repeat(2);
+        data.truncate(len);
+        match (r >> 24) % 7 {
+            0 => m.read_table(offset, &mut data),
+            1 | 2 => m.write_table(offset, &data),
+            3 => m.read_pba(offset, &mut data),
+            4 => m.write_capability((next() % 16) as usize, &data),
+            5 => {
+                m.notify((next() % 80) as u16);
+            }
+            _ => m.write_pba(offset, &data),
+        }
+    }
+    // A vector is never both deliverable and pending.
+    for v in 0..70 {
+        assert!(!(m.is_pending(v) && m.effective(usize::from(v)).is_some()));
+    }
+    // Every event was of an existing vector, and some were fires; the state still saves
+    // and restores.
+    let events = rec.take();
+    assert!(events
+        .iter()
+        .all(|e| matches!(e, Event::Fire(v) | Event::Update(v, _) if *v < 70)));
+    let fires = events
+        .iter()
+        .filter(|e| matches!(e, Event::Fire(_)))
+        .count();
+    assert!(fires > 10, "{fires} fires");
+    let saved = m.save();
+    m.restore(&saved).unwrap();
+}

@@ -171,20 +171,12 @@ impl BarLayout {
     /// The virtio vendor capabilities, each as its offset in configuration space and its
     /// bytes (the PCI-configuration-access one without its guest-written fields).
     pub fn vendor_capabilities(&self) -> Vec<(u8, Vec<u8>)> {
-        let cap = |cfg_type: u8, next: u8, len: usize, offset: u64, length: u64| VirtioPciCap {
-            cap_vndr: VENDOR_CAP_ID,
-            cap_next: next,
-            cap_len: len as u8, // the structures are 16 or 20 bytes
-            cfg_type,
-            bar: BAR_INDEX as u8,
-            offset: U32::new(offset as u32), // BAR offsets stay far below 4 GiB
-            length: U32::new(length as u32),
-            ..Default::default()
+        let plain = |cfg_type, next, offset, length| {
+            vendor_cap(cfg_type, next, size_of::<VirtioPciCap>(), offset, length)
         };
-        let plain = size_of::<VirtioPciCap>();
         let common_len = size_of::<CommonCfg>() as u64;
         let notify = VirtioPciNotifyCap {
-            cap: cap(
+            cap: vendor_cap(
                 CFG_TYPE_NOTIFY,
                 CAP_PCI_CFG,
                 size_of::<VirtioPciNotifyCap>(),
@@ -194,37 +186,34 @@ impl BarLayout {
             notify_off_multiplier: U32::new(NOTIFY_OFF_MULTIPLIER),
         };
         let pci_cfg = VirtioPciCfgCap {
-            cap: cap(CFG_TYPE_PCI, 0, size_of::<VirtioPciCfgCap>(), 0, 0),
+            cap: vendor_cap(CFG_TYPE_PCI, 0, size_of::<VirtioPciCfgCap>(), 0, 0),
             pci_cfg_data: [0; 4],
         };
+        let common = plain(CFG_TYPE_COMMON, CAP_ISR, COMMON_OFFSET, common_len);
+        let isr = plain(CFG_TYPE_ISR, CAP_DEVICE, ISR_OFFSET, 1);
+        let device = plain(CFG_TYPE_DEVICE, CAP_NOTIFY, DEVICE_OFFSET, DEVICE_LEN);
         vec![
-            (
-                CAP_COMMON,
-                cap(CFG_TYPE_COMMON, CAP_ISR, plain, COMMON_OFFSET, common_len)
-                    .as_bytes()
-                    .to_vec(),
-            ),
-            (
-                CAP_ISR,
-                cap(CFG_TYPE_ISR, CAP_DEVICE, plain, ISR_OFFSET, 1)
-                    .as_bytes()
-                    .to_vec(),
-            ),
-            (
-                CAP_DEVICE,
-                cap(
-                    CFG_TYPE_DEVICE,
-                    CAP_NOTIFY,
-                    plain,
-                    DEVICE_OFFSET,
-                    DEVICE_LEN,
-                )
-                .as_bytes()
-                .to_vec(),
-            ),
+            (CAP_COMMON, common.as_bytes().to_vec()),
+            (CAP_ISR, isr.as_bytes().to_vec()),
+            (CAP_DEVICE, device.as_bytes().to_vec()),
             (CAP_NOTIFY, notify.as_bytes().to_vec()),
             (CAP_PCI_CFG, pci_cfg.as_bytes().to_vec()),
         ]
+    }
+}
+
+/// A virtio capability header of `len` bytes, pointing at `length` bytes at `offset` of
+/// BAR0.
+fn vendor_cap(cfg_type: u8, next: u8, len: usize, offset: u64, length: u64) -> VirtioPciCap {
+    VirtioPciCap {
+        cap_vndr: VENDOR_CAP_ID,
+        cap_next: next,
+        cap_len: len as u8, // the structures are 16 or 20 bytes
+        cfg_type,
+        bar: BAR_INDEX as u8,
+        offset: U32::new(offset as u32), // BAR offsets stay far below 4 GiB
+        length: U32::new(length as u32),
+        ..Default::default()
     }
 }
 
