@@ -9,6 +9,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod msix;
+
 use devices::Lifecycle;
 
 /// An x86 MSI as the guest programs it (address 0xFEExxxxx, data with the vector).

@@ -7,13 +7,17 @@
 //! elsewhere), and an [`Interrupt`] to raise. Devices do their work on their own threads,
 //! never on a vCPU thread.
 //!
-//! The PCI transport (`VirtioPciDevice`) turns a `VirtioDevice` into a `pci::PciDevice`.
+//! The PCI transport ([`VirtioPciDevice`]) turns a `VirtioDevice` into a `pci::PciDevice`.
+
+pub mod transport;
 
 use std::sync::Arc;
 
 use devices::exit::Waker;
 use devices::{DeviceState, LifecycleError, StateError};
 use vm_memory::GuestMemory;
+
+pub use transport::{IoEventError, IoEventRegistrar, VirtioInterrupt, VirtioPciDevice};
 
 /// Device type numbers (virtio 1.2, section 5).
 pub mod device_type {
@@ -71,6 +75,12 @@ pub trait VirtioDevice<M: GuestMemory + Send + Sync + 'static>: Send {
     fn pause(&mut self) -> Result<(), LifecycleError>;
     /// Undo `pause`, re-checking every queue for work that arrived meanwhile.
     fn resume(&mut self) -> Result<(), LifecycleError>;
+    /// Where the device is in each queue it serves (index, virtio-queue state), for the
+    /// transport's `save`, which runs while the device is paused. `None`: the device
+    /// cannot tell, and an active device of this kind cannot be saved.
+    fn queue_states(&self) -> Option<Vec<(u16, virtio_queue::QueueState)>> {
+        None
+    }
     /// The device's own state (not the queues, which the transport saves).
     fn save(&self) -> Result<DeviceState, LifecycleError>;
     fn restore(&mut self, state: &DeviceState) -> Result<(), StateError>;
