@@ -15,6 +15,13 @@ use devices::exit::Waker;
 use devices::{DeviceState, LifecycleError, StateError};
 use vm_memory::GuestMemory;
 
+pub mod block;
+pub mod console;
+pub mod rng;
+#[cfg(all(test, target_os = "linux"))]
+mod test_driver;
+pub mod worker;
+
 /// Device type numbers (virtio 1.2, section 5).
 pub mod device_type {
     pub const NET: u32 = 1;
@@ -71,6 +78,13 @@ pub trait VirtioDevice<M: GuestMemory + Send + Sync + 'static>: Send {
     fn pause(&mut self) -> Result<(), LifecycleError>;
     /// Undo `pause`, re-checking every queue for work that arrived meanwhile.
     fn resume(&mut self) -> Result<(), LifecycleError>;
+    /// While paused (after [`VirtioDevice::pause`] returned): the position of each queue the
+    /// device serves, as `(ActiveQueue::index, state)`, for the transport to save with its own
+    /// queue registers. Devices hold their queues on their threads from `activate` to
+    /// `reset`, so only they can say where the queues stand. Empty when not activated.
+    fn queue_states(&self) -> Vec<(u16, virtio_queue::QueueState)> {
+        Vec::new()
+    }
     /// The device's own state (not the queues, which the transport saves).
     fn save(&self) -> Result<DeviceState, LifecycleError>;
     fn restore(&mut self, state: &DeviceState) -> Result<(), StateError>;
