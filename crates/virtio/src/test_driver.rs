@@ -32,6 +32,24 @@ impl TestInterrupt {
     pub fn count(&self, queue: u16) -> u64 {
         *self.counts.lock().unwrap().get(&queue).unwrap_or(&0)
     }
+
+    /// Waits (at most 10 s) until `queue` was signalled at least `n` times. A device signals
+    /// just after it publishes used entries, so a test that saw the entries waits here.
+    pub fn wait_count(&self, queue: u16, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut counts = self.counts.lock().unwrap();
+        while *counts.get(&queue).unwrap_or(&0) < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "queue {queue}: fewer than {n} interrupts");
+            counts = self.cond.wait_timeout(counts, left).unwrap().0;
+        }
+    }
+
+    /// The count once signals in flight have landed.
+    pub fn settled_count(&self, queue: u16) -> u64 {
+        std::thread::sleep(Duration::from_millis(30));
+        self.count(queue)
+    }
 }
 
 impl Interrupt for TestInterrupt {
@@ -230,6 +248,17 @@ impl TestDriver {
     /// Overwrites the available index (hostile drivers).
     pub fn set_avail_idx(&self, q: usize, idx: u16) {
         self.queues[q].mock.avail().idx().store(idx);
+    }
+
+    /// Sets the avail ring's used_event (VIRTIO_F_EVENT_IDX): "interrupt me once the used
+    /// index passes this".
+    pub fn set_used_event(&self, q: usize, value: u16) {
+        let queue = &self.queues[q];
+        let at = queue
+            .mock
+            .avail_addr()
+            .unchecked_add(4 + 2 * u64::from(queue.size));
+        self.mem.write_obj(value.to_le(), at).unwrap();
     }
 
     pub fn kick(&self, q: usize) {
