@@ -1,6 +1,10 @@
-//! A driver-side harness for device tests: guest RAM, split queues laid out by virtio-queue's
-//! `MockSplitQueue`, chains written descriptor by descriptor (hostile ones included), kicks,
-//! and waits for used entries.
+//! A driver-side harness for device tests: guest RAM, split queues, chains written
+//! descriptor by descriptor (hostile ones included), kicks, and waits for used entries.
+//!
+//! The rings are laid out here rather than by virtio-queue's `MockSplitQueue`, whose layout
+//! (0.18) sizes the available ring in entries instead of bytes, so that its used ring overlaps
+//! the upper half of the available ring: a driver publishing more than size/2 chains clobbers
+//! the used index.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
@@ -11,8 +15,7 @@ use virtio_bindings::bindings::virtio_ring::{
     VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
 };
 use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
-use virtio_queue::mock::MockSplitQueue;
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::{ActiveQueue, Interrupt};
@@ -86,11 +89,40 @@ impl Buf {
 }
 
 struct TestQueue {
-    mock: MockSplitQueue<'static, GuestMemoryMmap>,
+    desc: GuestAddress,
+    avail: GuestAddress,
+    used: GuestAddress,
     size: u16,
     next_desc: u16,
     used_seen: u16,
     notify: Arc<Waker>,
+}
+
+impl TestQueue {
+    /// Queue `i` at 1 MiB * i: descriptor table, available ring, used ring (4-byte aligned).
+    fn new(i: usize, size: u16) -> TestQueue {
+        let desc = 0x10_0000 * i as u64;
+        let avail = desc + 16 * u64::from(size);
+        let used = (avail + 6 + 2 * u64::from(size) + 3) & !3;
+        TestQueue {
+            desc: GuestAddress(desc),
+            avail: GuestAddress(avail),
+            used: GuestAddress(used),
+            size,
+            next_desc: 0,
+            used_seen: 0,
+            notify: Arc::new(Waker::new().unwrap()),
+        }
+    }
+
+    fn queue(&self) -> Queue {
+        let mut q = Queue::new(self.size).unwrap();
+        q.try_set_desc_table_address(self.desc).unwrap();
+        q.try_set_avail_ring_address(self.avail).unwrap();
+        q.try_set_used_ring_address(self.used).unwrap();
+        q.set_ready(true);
+        q
+    }
 }
 
 pub struct TestDriver {
@@ -105,19 +137,10 @@ impl TestDriver {
         let mem = Arc::new(
             GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), RAM_SIZE as usize)]).unwrap(),
         );
-        // The mock borrows guest memory for its whole life: keep one reference forever.
-        let leaked: &'static Arc<GuestMemoryMmap> = Box::leak(Box::new(mem.clone()));
-        let mem_static: &'static GuestMemoryMmap = leaked;
         let queues = queue_sizes
             .iter()
             .enumerate()
-            .map(|(i, &size)| TestQueue {
-                mock: MockSplitQueue::create(mem_static, GuestAddress(0x10_0000 * i as u64), size),
-                size,
-                next_desc: 0,
-                used_seen: 0,
-                notify: Arc::new(Waker::new().unwrap()),
-            })
+            .map(|(i, &size)| TestQueue::new(i, size))
             .collect();
         TestDriver {
             mem,
@@ -127,6 +150,14 @@ impl TestDriver {
         }
     }
 
+    fn load16(&self, addr: GuestAddress) -> u16 {
+        u16::from_le(self.mem.read_obj(addr).unwrap())
+    }
+
+    fn store16(&self, addr: GuestAddress, value: u16) {
+        self.mem.write_obj(value.to_le(), addr).unwrap();
+    }
+
     /// The queues as a transport hands them to a device at DRIVER_OK.
     pub fn active_queues(&self) -> Vec<ActiveQueue> {
         self.queues
@@ -134,7 +165,7 @@ impl TestDriver {
             .enumerate()
             .map(|(i, q)| ActiveQueue {
                 index: i as u16,
-                queue: q.mock.create_queue::<Queue>().unwrap(),
+                queue: q.queue(),
                 notify: q.notify.clone(),
             })
             .collect()
@@ -233,32 +264,32 @@ impl TestDriver {
     /// Stores one raw descriptor, whatever it says.
     pub fn store_desc(&self, q: usize, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
         let desc = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
-        self.queues[q].mock.desc_table().store(index, desc).unwrap();
+        let at = self.queues[q].desc.unchecked_add(16 * u64::from(index));
+        self.mem.write_obj(desc, at).unwrap();
     }
 
     /// Puts `head` in the available ring.
     pub fn publish(&self, q: usize, head: u16) {
-        let avail = self.queues[q].mock.avail();
-        let idx = avail.idx().load();
+        let avail = self.queues[q].avail;
+        let idx = self.load16(avail.unchecked_add(2));
         let slot = idx % self.queues[q].size;
-        avail.ring().ref_at(slot as usize).unwrap().store(head);
-        avail.idx().store(idx.wrapping_add(1));
+        self.store16(avail.unchecked_add(4 + 2 * u64::from(slot)), head);
+        self.store16(avail.unchecked_add(2), idx.wrapping_add(1));
     }
 
     /// Overwrites the available index (hostile drivers).
     pub fn set_avail_idx(&self, q: usize, idx: u16) {
-        self.queues[q].mock.avail().idx().store(idx);
+        self.store16(self.queues[q].avail.unchecked_add(2), idx);
     }
 
     /// Sets the avail ring's used_event (VIRTIO_F_EVENT_IDX): "interrupt me once the used
     /// index passes this".
     pub fn set_used_event(&self, q: usize, value: u16) {
         let queue = &self.queues[q];
-        let at = queue
-            .mock
-            .avail_addr()
-            .unchecked_add(4 + 2 * u64::from(queue.size));
-        self.mem.write_obj(value.to_le(), at).unwrap();
+        self.store16(
+            queue.avail.unchecked_add(4 + 2 * u64::from(queue.size)),
+            value,
+        );
     }
 
     pub fn kick(&self, q: usize) {
@@ -266,34 +297,36 @@ impl TestDriver {
     }
 
     pub fn used_idx(&self, q: usize) -> u16 {
-        self.queues[q].mock.used().idx().load()
+        self.load16(self.queues[q].used.unchecked_add(2))
     }
 
     /// Waits (at most 10 s) for `n` more used entries; returns their (id, len).
     pub fn wait_used(&mut self, q: usize, n: u16) -> Vec<(u32, u32)> {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let start = Instant::now();
         let target = self.queues[q].used_seen.wrapping_add(n);
         while self.used_idx(q).wrapping_sub(self.queues[q].used_seen) < n {
+            let waited = start.elapsed();
             assert!(
-                Instant::now() < deadline,
+                waited < Duration::from_secs(10),
                 "queue {q}: waited for {n} used entries, got {}",
                 self.used_idx(q).wrapping_sub(self.queues[q].used_seen)
             );
-            std::thread::sleep(Duration::from_millis(1));
+            // Poll hard briefly (the device is usually quick), then gently.
+            if waited < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
         let mut out = Vec::new();
         let queue = &self.queues[q];
         let mut i = queue.used_seen;
         while i != target {
             let slot = i % queue.size;
-            let elem = queue
-                .mock
-                .used()
-                .ring()
-                .ref_at(slot as usize)
-                .unwrap()
-                .load();
-            out.push((elem.id(), elem.len()));
+            let at = queue.used.unchecked_add(4 + 8 * u64::from(slot));
+            let id: u32 = self.mem.read_obj(at).unwrap();
+            let len: u32 = self.mem.read_obj(at.unchecked_add(4)).unwrap();
+            out.push((u32::from_le(id), u32::from_le(len)));
             i = i.wrapping_add(1);
         }
         self.queues[q].used_seen = target;
