@@ -657,6 +657,9 @@ fn indirect_chains() {
     rig.submit_raw(0, &[(table.0, 20, indirect)]);
     let nested = RawTable::write(&rig.driver, table, &[(table.0, 16, indirect)]);
     assert_eq!(rig.submit_raw(0, &[(nested, 16, indirect)]).1, 0);
+    // A table outside guest RAM.
+    let outside = RAM_SIZE + 0x1000;
+    assert_eq!(rig.submit_raw(0, &[(outside, 64, indirect)]).1, 0);
     // Over-long: more descriptors than any request may have.
     let count = chain::MAX_CHAIN_DESCRIPTORS + 8;
     let big = rig.driver.alloc(16 * count as u64);
