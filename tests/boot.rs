@@ -175,7 +175,9 @@ fn accel_reports_capabilities() {
     let run = ferrovm(&["accel"], Duration::from_secs(30));
     run.expect_status(0)
         .expect_stdout("accelerator:")
-        .expect_stdout("TPR shadowing:");
+        .expect_stdout("TPR shadowing:")
+        .expect_stdout("irqfd:                     yes")
+        .expect_stdout("ioeventfd:                 yes");
     let run = ferrovm(&["accel", "--json"], Duration::from_secs(30));
     run.expect_status(0);
     let line = run.stdout.trim();
@@ -185,6 +187,8 @@ fn accel_reports_capabilities() {
         "\"msi_injection\"",
         "\"max_vcpus\"",
         "\"tpr_shadow\"",
+        "\"irqfd\":true",
+        "\"ioeventfd\":true",
     ] {
         assert!(line.contains(key), "{key} missing from {line}");
     }

@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::exit::{ExitReason, ExitRequest};
+use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::serial::{IrqLine, NoIrq};
 use crate::state::StateError;
 
@@ -321,6 +322,35 @@ impl BusDevice for AcpiPm {
                 _ => break,
             }
         }
+    }
+}
+
+/// Layout version of the state [`Lifecycle::save`] writes: an [`AcpiPmState`].
+pub const ACPI_PM_STATE_VERSION: u32 = 1;
+
+/// The PM timer is derived from the host clock when read, and the SCI is raised on the
+/// vCPU thread that enables it: nothing runs on its own, so pause and resume have nothing
+/// to do.
+impl Lifecycle for AcpiPm {
+    fn id(&self) -> String {
+        "acpi_pm".into()
+    }
+
+    fn save(&self) -> Result<DeviceState, LifecycleError> {
+        DeviceState::new(ACPI_PM_STATE_VERSION, &self.state())
+    }
+
+    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
+        AcpiPm::restore(self, &state.parse("ACPI PM", ACPI_PM_STATE_VERSION)?)
+    }
+
+    /// PM1 status, enable and control cleared. The PM timer is free-running and keeps
+    /// counting, as QEMU's does across a system reset.
+    fn reset(&mut self) {
+        self.pm1_status = 0;
+        self.pm1_enable = 0;
+        self.pm1_control = 0;
+        self.timer_sts_mark = self.ticks() >> 23;
     }
 }
 

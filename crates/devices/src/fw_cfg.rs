@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crate::bus::{Bus, BusDevice, BusError};
+use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
 
 /// Selector port (16-bit writes).
@@ -274,6 +275,30 @@ impl BusDevice for FwCfg {
                 data.len()
             ),
         }
+    }
+}
+
+/// Layout version of the state [`Lifecycle::save`] writes: an [`FwCfgState`].
+pub const FW_CFG_STATE_VERSION: u32 = 1;
+
+/// Items are configuration (the destination's VMM adds the same ones); only the selector and
+/// the read position travel. Nothing runs on its own, so pause and resume have nothing to do.
+impl Lifecycle for FwCfg {
+    fn id(&self) -> String {
+        "fw_cfg".into()
+    }
+
+    fn save(&self) -> Result<DeviceState, LifecycleError> {
+        DeviceState::new(FW_CFG_STATE_VERSION, &self.state())
+    }
+
+    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
+        FwCfg::restore(self, &state.parse("fw_cfg", FW_CFG_STATE_VERSION)?)
+    }
+
+    /// Selector 0 (the signature) at offset 0; the items stay.
+    fn reset(&mut self) {
+        self.state = FwCfgState::default();
     }
 }
 

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::exit::{ExitReason, ExitRequest};
+use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
 
 /// Data port (read: output buffer, write: device data / command parameter).
@@ -143,7 +144,7 @@ impl I8042 {
         s
     }
 
-    fn reset(&self) {
+    fn pulse_cpu_reset(&self) {
         log::debug!("i8042: guest pulsed the CPU reset line");
         self.exit.request(ExitReason::Reset);
     }
@@ -167,7 +168,7 @@ impl I8042 {
             CMD_READ_OUTPUT_PORT => self.state.output = Some(OUTPUT_PORT_DEFAULT),
             // 0xf0-0xff pulse output port bits 0-3 where the command has a 0;
             // bit 0 is the reset line. 0xfe is the classic reset.
-            0xf0..=0xff if cmd & OUTPUT_PORT_RESET == 0 => self.reset(),
+            0xf0..=0xff if cmd & OUTPUT_PORT_RESET == 0 => self.pulse_cpu_reset(),
             _ => {}
         }
     }
@@ -176,7 +177,7 @@ impl I8042 {
         self.state.last_write_was_command = false;
         match self.state.pending_command.take() {
             Some(CMD_WRITE_CTR) => self.state.ctr = value,
-            Some(CMD_WRITE_OUTPUT_PORT) if value & OUTPUT_PORT_RESET == 0 => self.reset(),
+            Some(CMD_WRITE_OUTPUT_PORT) if value & OUTPUT_PORT_RESET == 0 => self.pulse_cpu_reset(),
             Some(CMD_WRITE_KBD_OUTBUF) => self.state.output = Some(value),
             // RAM bytes other than the CTR, output port writes that keep
             // the reset line high, bytes for the (absent) mouse.
@@ -224,6 +225,29 @@ impl BusDevice for I8042 {
             COMMAND_OFFSET => self.command(value),
             _ => {}
         }
+    }
+}
+
+/// Layout version of the state [`Lifecycle::save`] writes: an [`I8042State`].
+pub const I8042_STATE_VERSION: u32 = 1;
+
+/// The controller only answers port accesses: pause and resume have nothing to do.
+impl Lifecycle for I8042 {
+    fn id(&self) -> String {
+        "i8042".into()
+    }
+
+    fn save(&self) -> Result<DeviceState, LifecycleError> {
+        DeviceState::new(I8042_STATE_VERSION, &self.state())
+    }
+
+    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
+        I8042::restore(self, &state.parse("i8042", I8042_STATE_VERSION)?)
+    }
+
+    /// The power-on configuration byte, nothing buffered or pending.
+    fn reset(&mut self) {
+        self.state = I8042State::default();
     }
 }
 

@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bus::{read_bytewise, write_bytewise, Bus, BusDevice, BusError};
 use crate::irqchip::TimerWaker;
+use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
 
 /// The PIT's input clock.
@@ -733,6 +734,33 @@ impl BusDevice for Pit {
     fn write(&mut self, offset: u64, data: &[u8]) {
         let now = Instant::now();
         write_bytewise(offset, data, |o, v| self.io_write(o, v, now));
+    }
+}
+
+/// Layout version of the state [`Lifecycle::save`] writes: a [`PitState`].
+pub const PIT_STATE_VERSION: u32 = 1;
+
+/// IRQ 0 comes from the VMM's timer thread (`on_timer`), which the VMM pauses with the
+/// devices; the PIT itself has nothing to pause. Its counters follow the host clock, as
+/// the guest's TSC does, and do not stop while the machine is paused.
+impl Lifecycle for Pit {
+    fn id(&self) -> String {
+        "pit".into()
+    }
+
+    fn save(&self) -> Result<DeviceState, LifecycleError> {
+        DeviceState::new(PIT_STATE_VERSION, &self.state())
+    }
+
+    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
+        Pit::restore(self, &state.parse("PIT", PIT_STATE_VERSION)?)
+    }
+
+    /// Power-on: no channel programmed, channel 2's gate low, nothing pending.
+    fn reset(&mut self) {
+        if let Err(e) = self.restore_at(&PitState::default(), Instant::now()) {
+            log::error!("PIT reset refused its own power-on state: {e}");
+        }
     }
 }
 

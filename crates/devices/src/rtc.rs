@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bus::{read_bytewise, write_bytewise, Bus, BusDevice, BusError};
 use crate::irqchip::{IrqPin, TimerWaker};
+use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
 
 /// Index port; the data port follows.
@@ -690,6 +691,40 @@ impl BusDevice for Rtc {
     fn write(&mut self, offset: u64, data: &[u8]) {
         let now = Instant::now();
         write_bytewise(offset, data, |o, v| self.io_write(o, v, now));
+    }
+}
+
+/// Layout version of the state [`Lifecycle::save`] writes: an [`RtcState`].
+pub const RTC_STATE_VERSION: u32 = 1;
+/// Register B's square-wave enable, which the chip's RESET input clears.
+const B_SQWE: u8 = 0x08;
+
+/// Interrupts come from the VMM's timer thread (`on_timer`), which the VMM pauses with the
+/// devices; the RTC itself has nothing to pause.
+impl Lifecycle for Rtc {
+    fn id(&self) -> String {
+        "rtc".into()
+    }
+
+    fn save(&self) -> Result<DeviceState, LifecycleError> {
+        DeviceState::new(RTC_STATE_VERSION, &self.state())
+    }
+
+    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
+        Rtc::restore(self, &state.parse("RTC", RTC_STATE_VERSION)?)
+    }
+
+    /// What the MC146818's RESET input does: clears the interrupt enables (PIE, AIE, UIE)
+    /// and SQWE in register B and every flag in register C, so IRQ 8 goes low. The time,
+    /// the date and CMOS RAM are battery-backed and survive, and so do events due before
+    /// the reset (they are dropped, not reported afterwards).
+    fn reset(&mut self) {
+        let now = self.host_ns(Instant::now());
+        self.last_ns = self.last_ns.max(now);
+        self.s.cmos[usize::from(REG_B)] &= !(B_PIE | B_AIE | B_UIE | B_SQWE);
+        self.s.cmos[usize::from(REG_C)] &= !(C_IRQF | C_PF | C_AF | C_UF);
+        self.update_irq();
+        self.wake();
     }
 }
 

@@ -17,6 +17,7 @@ use vm_superio::serial::NoEvents;
 use vm_superio::{Serial, SerialState as UartState, Trigger};
 
 use crate::bus::{Bus, BusDevice, BusError};
+use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
 
 /// First port of COM1.
@@ -368,6 +369,31 @@ fn reg(offset: u64, i: usize) -> Option<u8> {
         u8::try_from(r).ok()
     } else {
         None
+    }
+}
+
+/// Layout version of the state [`Lifecycle::save`] writes: a [`SerialState`].
+pub const SERIAL_STATE_VERSION: u32 = 1;
+
+/// The UART has no thread of its own (its output is written on the vCPU thread that writes
+/// THR), so pause and resume have nothing to do.
+impl Lifecycle for SerialDevice {
+    fn id(&self) -> String {
+        "serial".into()
+    }
+
+    fn save(&self) -> Result<DeviceState, LifecycleError> {
+        DeviceState::new(SERIAL_STATE_VERSION, &self.state())
+    }
+
+    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
+        SerialDevice::restore(self, &state.parse("serial", SERIAL_STATE_VERSION)?)
+    }
+
+    /// The UART's reset values (interrupts disabled, FIFO empty), same output and line.
+    fn reset(&mut self) {
+        let irq = self.uart.interrupt_evt().0.clone();
+        self.rebuild(&UartState::default(), irq);
     }
 }
 

@@ -247,6 +247,8 @@ pub fn print_accel(args: &AccelArgs) -> anyhow::Result<()> {
     println!("in-kernel irqchip:         {}", yes_no(caps.irqchip_kernel));
     println!("split irqchip:             {}", yes_no(caps.irqchip_split));
     println!("MSI injection:             {}", yes_no(caps.msi_injection));
+    println!("irqfd:                     {}", yes_no(caps.irqfd));
+    println!("ioeventfd:                 {}", yes_no(caps.ioeventfd));
     println!(
         "dirty log (bitmap):        {}",
         yes_no(caps.dirty_log_bitmap)

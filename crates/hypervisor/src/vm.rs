@@ -136,6 +136,12 @@ pub trait Vm: Send + Sync {
     /// A guest write of `len` bytes to `addr` (matching `datamatch` when given) signals `fd`
     /// in the kernel, with no exit to user space. Unsupported where the kernel lacks it
     /// (`Capabilities::ioeventfd`): the write then reaches the device model as an exit.
+    ///
+    /// `len` is 1, 2, 4 or 8, and `datamatch` must fit in it. Without `datamatch`, `len` may
+    /// also be 0, and KVM then matches a write of any width at `addr` whatever `len` says
+    /// (that is also KVM's fast MMIO path). Writes that do not match still exit to user
+    /// space. The caller keeps `fd` open until `unregister_ioeventfd`, which takes the same
+    /// `addr`, `len` and `datamatch`.
     fn register_ioeventfd(
         &self,
         fd: RawFd,

@@ -17,6 +17,13 @@ use devices::exit::Waker;
 use devices::{DeviceState, LifecycleError, StateError};
 use vm_memory::GuestMemory;
 
+pub mod block;
+pub mod console;
+pub mod rng;
+#[cfg(all(test, target_os = "linux"))]
+mod test_driver;
+pub mod worker;
+
 pub use transport::{IoEventError, IoEventRegistrar, VirtioInterrupt, VirtioPciDevice};
 
 /// Device type numbers (virtio 1.2, section 5).

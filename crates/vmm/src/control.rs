@@ -19,6 +19,9 @@ const THROTTLE_SLICE: Duration = Duration::from_millis(20);
 
 #[derive(Default)]
 struct Parked {
+    /// vCPUs out of the guest for this pause (capturing or parked).
+    arrived: usize,
+    /// vCPUs parked (their state captured, if asked for).
     count: usize,
     /// Set while a pause wants every vCPU's state: the MSRs to read.
     capture: Option<Arc<Vec<u32>>>,
@@ -95,20 +98,42 @@ impl RunControl {
 
     /// Called by a vCPU thread when it sees the pause flag: waits, outside the guest, until
     /// the pause ends or the machine stops.
+    ///
+    /// When the pause captures state, each vCPU first completes its pending exit and then
+    /// waits until every vCPU is out of the guest before reading its own state: a vCPU
+    /// still running could otherwise send an IPI (or make a device interrupt) to one whose
+    /// local APIC was already read, and the interrupt would be lost on the destination.
     pub fn park(&self, stop: &AtomicBool, vcpu: &mut dyn Vcpu) {
+        let total = self.kickers.get().map_or(0, Vec::len);
         let mut parked = lock(&self.parked);
         if let Some(msrs) = parked.capture.clone() {
             drop(parked);
-            let state = vcpu
-                .finish_pending_exit()
-                .and_then(|_| save_vcpu_state(vcpu, &msrs))
-                .map_err(|e| e.to_string());
+            let finished = vcpu.finish_pending_exit();
             parked = lock(&self.parked);
-            let id = vcpu.id() as usize;
-            if parked.states.len() <= id {
-                parked.states.resize(id + 1, None);
+            parked.arrived += 1;
+            self.cond.notify_all();
+            while parked.arrived < total && self.pause_requested() && !stop.load(Ordering::Acquire)
+            {
+                parked = self
+                    .cond
+                    .wait_timeout(parked, Duration::from_millis(20))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
             }
-            parked.states[id] = Some(state);
+            if parked.arrived >= total {
+                drop(parked);
+                let state = finished
+                    .and_then(|_| save_vcpu_state(vcpu, &msrs))
+                    .map_err(|e| e.to_string());
+                parked = lock(&self.parked);
+                let id = vcpu.id() as usize;
+                if parked.states.len() <= id {
+                    parked.states.resize(id + 1, None);
+                }
+                parked.states[id] = Some(state);
+            }
+        } else {
+            parked.arrived += 1;
         }
         parked.count += 1;
         self.cond.notify_all();
@@ -120,6 +145,7 @@ impl RunControl {
                 .0;
         }
         parked.count -= 1;
+        parked.arrived -= 1;
         self.cond.notify_all();
     }
 

@@ -4,7 +4,7 @@ use std::fs::File;
 use std::net::TcpListener;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use devices::acpi_pm::AcpiPm;
 use devices::bus::{Bus, IoDispatcher};
@@ -12,7 +12,7 @@ use devices::debug_exit::DebugExit;
 use devices::exit::{ExitReason, ExitRequest, Waker};
 use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
-use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
+use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, SplitIrqChipHandle, NUM_PINS};
 use devices::pit::Pit;
 use devices::rtc::Rtc;
 use devices::serial::{SerialDevice, SerialOutput as SerialSink};
@@ -28,7 +28,7 @@ use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
 use crate::restore::RestoreOptions;
 use crate::snapshot::{self, Core};
-use crate::state::DeviceHandles;
+use crate::state::{DeviceList, SharedDevice};
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 
@@ -205,7 +205,7 @@ impl Machine {
 
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
-        let (pio, mmio, timers, device_handles) = build_buses(
+        let (pio, mmio, timers, device_list) = build_buses(
             config,
             &exit,
             &irqchip,
@@ -244,7 +244,8 @@ impl Machine {
             config: snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions),
             regions,
             control: context.control.clone(),
-            devices: device_handles,
+            devices: device_list,
+            timers: timers.gate.clone(),
             msrs: hv.msr_index_list()?,
             kernel_irqchip: config.irqchip == IrqChipKind::Kernel,
             manual_protect: Default::default(),
@@ -327,9 +328,15 @@ impl Machine {
             }
         };
         let (state, ack) = state;
-        let restored = state
-            .restore_platform(self.core.vm.as_ref(), &self.core.devices)
-            .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus));
+        // Devices are restored paused and resumed as the guest starts: a device with work of
+        // its own (a virtio queue) takes it up only then.
+        let restored = self
+            .core
+            .devices
+            .pause()
+            .and_then(|_| state.restore_platform(self.core.vm.as_ref(), &self.core.devices))
+            .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus))
+            .and_then(|_| self.core.devices.resume());
         match restored {
             Ok(()) => Ok(ack),
             Err(e) => {
@@ -495,7 +502,7 @@ fn build_buses(
     split: Option<&Arc<SplitIrqChip>>,
     timer_wake: &Arc<TimerWake>,
     rtc_in_kernel: bool,
-) -> Result<(Bus, Bus, TimerDevices, DeviceHandles)> {
+) -> Result<(Bus, Bus, TimerDevices, DeviceList)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
@@ -546,22 +553,25 @@ fn build_buses(
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
-    let handles = DeviceHandles {
-        serial,
-        i8042,
-        fw_cfg,
-        acpi_pm,
-        rtc: rtc.clone(),
-        pit: pit.clone(),
-        split: split.cloned(),
-    };
+    // The interrupt controller last: restoring the others may drive its lines.
+    let mut list: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
+    list.extend(pit.iter().map(|d| d.clone() as SharedDevice));
+    list.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
+    if let Some(chip) = split {
+        list.push(Arc::new(Mutex::new(SplitIrqChipHandle(chip.clone()))));
+    }
+    let mut devices = DeviceList::default();
+    for device in list {
+        devices.add(device)?;
+    }
     let timers = TimerDevices {
         pit,
         rtc,
         irqchip: irqchip.clone(),
         wake: timer_wake.clone(),
+        gate: Arc::default(),
     };
-    Ok((pio, mmio, timers, handles))
+    Ok((pio, mmio, timers, devices))
 }
 
 /// Register state for a 32-bit flat protected-mode entry with paging off, which every boot

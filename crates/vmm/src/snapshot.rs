@@ -20,7 +20,8 @@ use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::memory::GuestMemory;
 use crate::restore::{self, MappedSnapshot, RestoreOptions};
-use crate::state::{DeviceHandles, MachineState};
+use crate::state::{DeviceList, MachineState};
+use crate::timers::TimerGate;
 
 /// How long a pause may take before a snapshot or migration gives up (the guest runs on).
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -37,7 +38,10 @@ pub struct Core {
     pub vm: Arc<dyn Vm>,
     pub regions: Vec<MemoryRegion>,
     pub control: Arc<RunControl>,
-    pub devices: DeviceHandles,
+    /// Every device, in the order they are paused, saved and restored.
+    pub devices: DeviceList,
+    /// The timer thread's gate (PIT and RTC deadlines), paused with the devices.
+    pub timers: Arc<TimerGate>,
     pub config: MigrationConfig,
     pub msrs: Vec<u32>,
     pub kernel_irqchip: bool,
@@ -92,8 +96,37 @@ impl Core {
         Ok(())
     }
 
+    /// Stops the machine for a snapshot or the last phase of a migration and returns every
+    /// vCPU's state: first the timer thread and the devices, so that nothing raises an
+    /// interrupt or touches guest memory once the vCPUs' state (their local APICs) is read,
+    /// then the vCPUs. On failure, whatever was paused runs again.
+    fn pause_machine(&self) -> Result<Vec<VcpuState>> {
+        self.timers.pause();
+        if let Err(e) = self.devices.pause() {
+            self.timers.resume();
+            return Err(e);
+        }
+        self.control
+            .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
+            .inspect_err(|_| {
+                // Device errors are logged; the pause failure is the one to report.
+                let _ = self.devices.resume();
+                self.timers.resume();
+            })
+    }
+
+    /// Undoes `pause_machine`, in reverse order. Every part is resumed even if a device
+    /// fails to; that failure is returned.
+    fn resume_machine(&self) -> Result<()> {
+        self.control.resume();
+        let devices = self.devices.resume();
+        self.timers.resume();
+        devices
+    }
+
     fn machine_state(&self, vcpus: Vec<VcpuState>) -> Result<MachineState> {
         Ok(MachineState {
+            format: crate::state::STATE_FORMAT,
             vcpus,
             kernel_irqchip: if self.kernel_irqchip {
                 Some(self.vm.irqchip_state()?)
@@ -101,7 +134,7 @@ impl Core {
                 None
             },
             clock: self.vm.clock()?,
-            devices: self.devices.save(),
+            devices: self.devices.save()?,
         })
     }
 }
@@ -175,20 +208,17 @@ impl MachineOps for Core {
         let tmp = path.with_file_name(tmp_name);
         let file =
             File::create(&tmp).map_err(|e| file_err(format!("cannot create snapshot: {e}")))?;
-        let result = self
-            .control
-            .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
-            .and_then(|vcpus| {
-                let result = self.machine_state(vcpus).and_then(|state| {
-                    let bytes = state.to_bytes()?;
-                    let data_pages = self.restored.get().map(|m| m.data_pages());
-                    let ram = migration::FileBackedRam::new(&*self.memory, data_pages);
-                    migration::snapshot_file(&ram, &self.config, &bytes, &file)
-                        .map_err(mig_err("snapshot"))
-                });
-                self.control.resume();
-                result
+        let result = self.pause_machine().and_then(|vcpus| {
+            let result = self.machine_state(vcpus).and_then(|state| {
+                let bytes = state.to_bytes()?;
+                let data_pages = self.restored.get().map(|m| m.data_pages());
+                let ram = migration::FileBackedRam::new(&*self.memory, data_pages);
+                migration::snapshot_file(&ram, &self.config, &bytes, &file)
+                    .map_err(mig_err("snapshot"))
             });
+            let resumed = self.resume_machine();
+            result.and_then(|report| resumed.map(|()| report))
+        });
         let paused = started.elapsed();
         // The guest runs again while the file goes to disk and into place.
         let result = result.and_then(|report| {
@@ -258,10 +288,7 @@ impl MachineOps for Core {
         };
         if request.warm {
             // Warm migration: the guest stays paused from the first page to the hand-over.
-            control.captured = Some(
-                self.control
-                    .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)?,
-            );
+            control.captured = Some(self.pause_machine()?);
             control.paused = true;
         }
         // After a lazy restore, pages still mapped from the snapshot file hold data too.
@@ -284,7 +311,9 @@ impl MachineOps for Core {
             Err(e) => {
                 // The engine resumed the guest if it had paused it: it runs on here.
                 if control.paused {
-                    self.control.resume();
+                    // A device that fails to resume is logged; the migration error is
+                    // the one to report.
+                    let _ = self.resume_machine();
                 }
                 Err(Error::Migration(format!(
                     "{e} (the guest keeps running here)"
@@ -387,18 +416,18 @@ impl VmControl for VmPause<'_> {
         }
         let states = self
             .core
-            .control
-            .pause_and_capture(self.core.msrs.clone(), PAUSE_TIMEOUT)
-            .map_err(|e| vm_error("pausing the vCPUs", e))?;
+            .pause_machine()
+            .map_err(|e| vm_error("pausing the machine", e))?;
         self.captured = Some(states);
         self.paused = true;
         Ok(())
     }
 
     fn resume(&mut self) -> migration::Result<()> {
-        self.core.control.resume();
         self.paused = false;
-        Ok(())
+        self.core
+            .resume_machine()
+            .map_err(|e| vm_error("resuming the machine", e))
     }
 
     fn save_state(&mut self) -> migration::Result<Vec<u8>> {

@@ -1,125 +1,167 @@
 //! The machine's state apart from RAM: what a snapshot or a migration carries in its `State`
-//! frame. Serialised as JSON, versioned through the stream format.
+//! frame, serialised as JSON. Devices travel as one map from each device's id to its
+//! versioned [`DeviceState`]; the machine's [`DeviceList`] names them, and nothing here lists
+//! devices by hand.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use devices::acpi_pm::{AcpiPm, AcpiPmState};
-use devices::fw_cfg::{FwCfg, FwCfgState};
-use devices::i8042::{I8042State, I8042};
-use devices::irqchip::{SplitIrqChip, SplitIrqChipState};
-use devices::pit::{Pit, PitState};
-use devices::rtc::{Rtc, RtcState};
-use devices::serial::{SerialDevice, SerialState};
+use devices::{DeviceState, Lifecycle};
 use hypervisor::{ClockData, IrqChipState, VcpuState, Vm};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::error::{Error, Result};
 
-/// Handles on the devices whose state travels with the machine.
-#[derive(Clone)]
-pub struct DeviceHandles {
-    pub serial: Arc<Mutex<SerialDevice>>,
-    pub i8042: Arc<Mutex<I8042>>,
-    pub fw_cfg: Arc<Mutex<FwCfg>>,
-    pub acpi_pm: Arc<Mutex<AcpiPm>>,
-    /// Absent where the kernel models the RTC (bhyve).
-    pub rtc: Option<Arc<Mutex<Rtc>>>,
-    /// Split irqchip mode only.
-    pub pit: Option<Arc<Mutex<Pit>>>,
-    pub split: Option<Arc<SplitIrqChip>>,
+/// The layout of [`MachineState`] this build writes. Format 1 (no `format` field) is what
+/// builds before the device list wrote: one named field per device; it is still read.
+pub const STATE_FORMAT: u32 = 2;
+
+/// A device as the machine's list holds it.
+pub type SharedDevice = Arc<Mutex<dyn Lifecycle>>;
+
+fn lock(device: &SharedDevice) -> MutexGuard<'_, dyn Lifecycle + 'static> {
+    device.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct DevicesState {
-    pub serial: SerialState,
-    pub i8042: I8042State,
-    pub fw_cfg: FwCfgState,
-    pub acpi_pm: AcpiPmState,
-    /// `None` where the kernel models the RTC; its state travels with the kernel's.
-    #[serde(default)]
-    pub rtc: Option<RtcState>,
-    pub pit: Option<PitState>,
-    pub split_irqchip: Option<SplitIrqChipState>,
+/// Every device of the machine, in one ordered list: what a snapshot saves, a migration
+/// carries and a pause stops. Devices are paused, saved and restored in list order and
+/// resumed in reverse; the machine adds its interrupt controller last, so that lines other
+/// devices drive while they are restored end in the controller's saved state.
+#[derive(Clone, Default)]
+pub struct DeviceList {
+    /// Each device with its id, read once when it was added (ids are stable).
+    devices: Vec<(String, SharedDevice)>,
+}
+
+impl DeviceList {
+    /// Appends a device; refuses a second device with the same id.
+    pub fn add(&mut self, device: SharedDevice) -> Result<()> {
+        let id = lock(&device).id();
+        if self.devices.iter().any(|(known, _)| *known == id) {
+            return Err(Error::Devices(format!("two devices with the id {id:?}")));
+        }
+        self.devices.push((id, device));
+        Ok(())
+    }
+
+    /// The devices' ids, in list order.
+    pub fn ids(&self) -> impl Iterator<Item = &str> {
+        self.devices.iter().map(|(id, _)| id.as_str())
+    }
+
+    /// Pauses every device. If one fails, those already paused are resumed again and the
+    /// error names the device.
+    pub fn pause(&self) -> Result<()> {
+        for (i, (id, device)) in self.devices.iter().enumerate() {
+            if let Err(e) = lock(device).pause() {
+                // Errors resuming are logged; the pause failure is the one to report.
+                let _ = self.resume_first(i);
+                return Err(Error::Devices(format!("pausing {id}: {e}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Resumes every device, even after one fails; the first failure is returned.
+    pub fn resume(&self) -> Result<()> {
+        self.resume_first(self.devices.len())
+    }
+
+    /// Resumes the first `count` devices, last first.
+    fn resume_first(&self, count: usize) -> Result<()> {
+        let mut first_error = None;
+        for (id, device) in self.devices[..count].iter().rev() {
+            if let Err(e) = lock(device).resume() {
+                log::error!("resuming {id}: {e}");
+                first_error.get_or_insert(Error::Devices(format!("resuming {id}: {e}")));
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Every device's state, by id.
+    pub fn save(&self) -> Result<BTreeMap<String, DeviceState>> {
+        self.devices
+            .iter()
+            .map(|(id, device)| {
+                let state = lock(device)
+                    .save()
+                    .map_err(|e| Error::State(format!("saving {id}: {e}")))?;
+                Ok((id.clone(), state))
+            })
+            .collect()
+    }
+
+    /// Hands each device the state saved under its id. The ids must match this machine's
+    /// exactly: a state with a device this machine lacks, or without one it has, comes
+    /// from another machine shape and is refused, naming the devices, before any device
+    /// is touched.
+    pub fn restore(&self, states: &BTreeMap<String, DeviceState>) -> Result<()> {
+        let ours: BTreeSet<&str> = self.ids().collect();
+        let unknown: Vec<&str> = states
+            .keys()
+            .map(String::as_str)
+            .filter(|id| !ours.contains(id))
+            .collect();
+        let missing: Vec<&str> = self.ids().filter(|id| !states.contains_key(*id)).collect();
+        if !unknown.is_empty() || !missing.is_empty() {
+            return Err(Error::State(shape_mismatch(&unknown, &missing)));
+        }
+        for (id, device) in &self.devices {
+            if let Some(state) = states.get(id) {
+                lock(device)
+                    .restore(state)
+                    .map_err(|e| Error::State(format!("restoring {id}: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn shape_mismatch(unknown: &[&str], missing: &[&str]) -> String {
+    let mut parts = Vec::new();
+    if !unknown.is_empty() {
+        parts.push(format!(
+            "it has state for {} that this machine does not have",
+            unknown.join(", ")
+        ));
+    }
+    if !missing.is_empty() {
+        parts.push(format!("it has no state for {}", missing.join(", ")));
+    }
+    format!(
+        "the saved devices do not match this machine ({}): the state comes from a machine \
+         of another shape (irqchip mode, accelerator or device set)",
+        parts.join("; ")
+    )
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MachineState {
+    /// [`STATE_FORMAT`].
+    pub format: u32,
     pub vcpus: Vec<VcpuState>,
     /// Kernel irqchip mode: the in-kernel PIC, IOAPIC and PIT.
     pub kernel_irqchip: Option<IrqChipState>,
     pub clock: ClockData,
-    pub devices: DevicesState,
+    /// Each device's state by its id.
+    pub devices: BTreeMap<String, DeviceState>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn restore_err(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::State(format!("{what}: {e}"))
-}
-
-/// Restores a device this machine may or may not have: both present, restore; both absent,
-/// nothing to do; one without the other, the state belongs to another machine shape.
-fn restore_if_present<D, S>(
-    device: Option<&D>,
-    state: Option<&S>,
-    mismatch: &str,
-    restore: impl FnOnce(&D, &S) -> Result<()>,
-) -> Result<()> {
-    match (device, state) {
-        (Some(d), Some(s)) => restore(d, s),
-        (None, None) => Ok(()),
-        _ => Err(Error::State(mismatch.into())),
-    }
-}
-
-impl DeviceHandles {
-    pub fn save(&self) -> DevicesState {
-        DevicesState {
-            serial: lock(&self.serial).state(),
-            i8042: lock(&self.i8042).state(),
-            fw_cfg: lock(&self.fw_cfg).state(),
-            acpi_pm: lock(&self.acpi_pm).state(),
-            rtc: self.rtc.as_ref().map(|r| lock(r).state()),
-            pit: self.pit.as_ref().map(|p| lock(p).state()),
-            split_irqchip: self.split.as_ref().map(|s| s.state()),
-        }
-    }
-
-    pub fn restore(&self, state: &DevicesState) -> Result<()> {
-        lock(&self.serial)
-            .restore(&state.serial)
-            .map_err(|e| restore_err("serial", e))?;
-        lock(&self.i8042)
-            .restore(&state.i8042)
-            .map_err(|e| restore_err("i8042", e))?;
-        lock(&self.fw_cfg)
-            .restore(&state.fw_cfg)
-            .map_err(|e| restore_err("fw_cfg", e))?;
-        lock(&self.acpi_pm)
-            .restore(&state.acpi_pm)
-            .map_err(|e| restore_err("ACPI PM", e))?;
-        restore_if_present(
-            self.rtc.as_ref(),
-            state.rtc.as_ref(),
-            "the RTC state is from an accelerator that models it elsewhere",
-            |rtc, s| lock(rtc).restore(s).map_err(|e| restore_err("RTC", e)),
-        )?;
-        restore_if_present(
-            self.pit.as_ref(),
-            state.pit.as_ref(),
-            "the PIT belongs to another irqchip mode",
-            |pit, s| lock(pit).restore(s).map_err(|e| restore_err("PIT", e)),
-        )?;
-        restore_if_present(
-            self.split.as_ref(),
-            state.split_irqchip.as_ref(),
-            "the state is from another irqchip mode",
-            |chip, s| chip.restore(s).map_err(|e| restore_err("irqchip", e)),
-        )?;
-        Ok(())
-    }
+/// The devices of a format 1 state: one field per device, named as the ids are now, and
+/// `split_irqchip`; absent devices were `null`. Their payloads are the version 1 layouts.
+fn devices_from_format_1(devices: Value) -> Result<BTreeMap<String, DeviceState>> {
+    let Value::Object(fields) = devices else {
+        return Err(Error::State(
+            "malformed state: the devices are not an object".into(),
+        ));
+    };
+    Ok(fields
+        .into_iter()
+        .filter(|(_, data)| !data.is_null())
+        .map(|(id, data)| (id, DeviceState { version: 1, data }))
+        .collect())
 }
 
 impl MachineState {
@@ -127,17 +169,259 @@ impl MachineState {
         serde_json::to_vec(self).map_err(|e| Error::State(e.to_string()))
     }
 
+    /// Reads a state of this build's format, or of format 1 (converted), and refuses a
+    /// newer one with an error that says so.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        serde_json::from_slice(bytes).map_err(|e| Error::State(format!("malformed state: {e}")))
+        let malformed = |e: serde_json::Error| Error::State(format!("malformed state: {e}"));
+        let mut value: Value = serde_json::from_slice(bytes).map_err(malformed)?;
+        let format = value.get("format").map_or(Some(1), Value::as_u64);
+        match format {
+            Some(1) => {
+                let legacy = value
+                    .get_mut("devices")
+                    .map(Value::take)
+                    .unwrap_or(Value::Null);
+                let devices = devices_from_format_1(legacy)?;
+                if let Value::Object(fields) = &mut value {
+                    fields.insert("format".into(), STATE_FORMAT.into());
+                    fields.insert(
+                        "devices".into(),
+                        serde_json::to_value(devices).map_err(malformed)?,
+                    );
+                }
+                serde_json::from_value(value).map_err(malformed)
+            }
+            Some(n) if n == u64::from(STATE_FORMAT) => {
+                serde_json::from_value(value).map_err(malformed)
+            }
+            _ => Err(Error::State(format!(
+                "state format {} was made by a newer build (this build reads formats 1 and \
+                 {STATE_FORMAT})",
+                value["format"]
+            ))),
+        }
     }
 
     /// Restores everything but the vCPUs (which are restored on creation) and RAM.
-    pub fn restore_platform(&self, vm: &dyn Vm, devices: &DeviceHandles) -> Result<()> {
+    pub fn restore_platform(&self, vm: &dyn Vm, devices: &DeviceList) -> Result<()> {
         if let Some(chip) = &self.kernel_irqchip {
             vm.set_irqchip_state(chip)?;
         }
         devices.restore(&self.devices)?;
         vm.set_clock(&self.clock)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use devices::{LifecycleError, StateError};
+    use serde_json::json;
+
+    /// A device holding one number; counts pauses and resumes, and can refuse to pause.
+    struct Counter {
+        id: &'static str,
+        value: u64,
+        paused: u32,
+        resumed: u32,
+        refuse_pause: bool,
+    }
+
+    fn counter(id: &'static str, value: u64) -> Arc<Mutex<Counter>> {
+        Arc::new(Mutex::new(Counter {
+            id,
+            value,
+            paused: 0,
+            resumed: 0,
+            refuse_pause: false,
+        }))
+    }
+
+    impl Lifecycle for Counter {
+        fn id(&self) -> String {
+            self.id.into()
+        }
+        fn pause(&mut self) -> std::result::Result<(), LifecycleError> {
+            if self.refuse_pause {
+                return Err(LifecycleError("busy".into()));
+            }
+            self.paused += 1;
+            Ok(())
+        }
+        fn resume(&mut self) -> std::result::Result<(), LifecycleError> {
+            self.resumed += 1;
+            Ok(())
+        }
+        fn save(&self) -> std::result::Result<DeviceState, LifecycleError> {
+            DeviceState::new(1, &self.value)
+        }
+        fn restore(&mut self, state: &DeviceState) -> std::result::Result<(), StateError> {
+            self.value = state.parse("counter", 1)?;
+            Ok(())
+        }
+    }
+
+    fn list(devices: &[&Arc<Mutex<Counter>>]) -> DeviceList {
+        let mut list = DeviceList::default();
+        for d in devices {
+            let shared: SharedDevice = (*d).clone();
+            list.add(shared).unwrap();
+        }
+        list
+    }
+
+    #[test]
+    fn states_round_trip_by_id() {
+        let (a, b) = (counter("a", 1), counter("b", 2));
+        let saved = list(&[&a, &b]).save().unwrap();
+        assert_eq!(saved.keys().collect::<Vec<_>>(), ["a", "b"]);
+        let (c, d) = (counter("b", 0), counter("a", 0));
+        list(&[&c, &d]).restore(&saved).unwrap();
+        assert_eq!((c.lock().unwrap().value, d.lock().unwrap().value), (2, 1));
+    }
+
+    #[test]
+    fn unknown_or_missing_ids_are_refused_by_name_before_anything_changes() {
+        let (a, b) = (counter("serial", 1), counter("pit", 2));
+        let saved = list(&[&a, &b]).save().unwrap();
+
+        let (x, y) = (counter("serial", 9), counter("rtc", 9));
+        let err = list(&[&x, &y]).restore(&saved).unwrap_err().to_string();
+        assert!(
+            err.contains("state for pit that this machine does not have"),
+            "{err}"
+        );
+        assert!(err.contains("no state for rtc"), "{err}");
+        assert_eq!(x.lock().unwrap().value, 9, "nothing restored");
+
+        let only_serial = list(&[&counter("serial", 0)]);
+        let err = only_serial.restore(&saved).unwrap_err().to_string();
+        assert!(err.contains("pit") && !err.contains("no state"), "{err}");
+        let with_extra = list(&[&counter("serial", 0), &counter("pit", 0), &y]);
+        let err = with_extra.restore(&saved).unwrap_err().to_string();
+        assert!(err.contains("no state for rtc"), "{err}");
+        assert!(err.contains("another shape"), "{err}");
+    }
+
+    #[test]
+    fn duplicate_ids_are_refused() {
+        let mut l = list(&[&counter("a", 1)]);
+        let dup: SharedDevice = counter("a", 2);
+        assert!(l.add(dup).unwrap_err().to_string().contains("\"a\""));
+    }
+
+    #[test]
+    fn a_failed_pause_resumes_the_devices_already_paused() {
+        let (a, b, c) = (counter("a", 0), counter("b", 0), counter("c", 0));
+        b.lock().unwrap().refuse_pause = true;
+        let err = list(&[&a, &b, &c]).pause().unwrap_err().to_string();
+        assert!(err.contains("pausing b: busy"), "{err}");
+        let a = a.lock().unwrap();
+        assert_eq!((a.paused, a.resumed), (1, 1));
+        assert_eq!(c.lock().unwrap().paused, 0);
+    }
+
+    #[test]
+    fn format_1_states_are_converted_and_newer_ones_refused() {
+        let v1 = json!({
+            "vcpus": [],
+            "kernel_irqchip": null,
+            "clock": {"clock_ns": 5, "flags": 0},
+            "devices": {
+                "serial": {"scratch": 1},
+                "i8042": {"ctr": 69},
+                "rtc": null,
+                "pit": null,
+                "split_irqchip": {"pic": {}},
+            },
+        });
+        let state = MachineState::from_bytes(&serde_json::to_vec(&v1).unwrap()).unwrap();
+        assert_eq!(state.format, STATE_FORMAT);
+        assert_eq!(state.clock.clock_ns, 5);
+        assert_eq!(
+            state.devices.keys().collect::<Vec<_>>(),
+            ["i8042", "serial", "split_irqchip"]
+        );
+        assert_eq!(
+            state.devices["i8042"],
+            DeviceState {
+                version: 1,
+                data: json!({"ctr": 69})
+            }
+        );
+        let again = MachineState::from_bytes(&state.to_bytes().unwrap()).unwrap();
+        assert_eq!(again.devices, state.devices);
+
+        let mut v3 = serde_json::to_value(&state).unwrap();
+        v3["format"] = json!(3);
+        let err = MachineState::from_bytes(&serde_json::to_vec(&v3).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("newer build") && err.contains("format 3"),
+            "{err}"
+        );
+    }
+
+    /// A format 1 state as builds before the device list wrote it (the device structs
+    /// themselves, by field) restores into the devices of a machine of the same shape.
+    #[test]
+    fn format_1_device_payloads_restore_into_real_devices() {
+        use devices::irqchip::{
+            ExtIntSink, IrqPin, MsiSink, SplitIrqChip, SplitIrqChipHandle, SplitIrqChipState,
+        };
+        use devices::{acpi_pm, fw_cfg, i8042, pit, rtc, serial};
+        struct Nowhere;
+        impl MsiSink for Nowhere {
+            fn send_msi(&self, _: u64, _: u32) {}
+        }
+        impl ExtIntSink for Nowhere {
+            fn extint_pending(&self) {}
+        }
+        let exit = Arc::new(devices::ExitRequest::new().unwrap());
+        let no_irq = Arc::new(serial::NoIrq);
+        let chip = Arc::new(SplitIrqChip::new(Arc::new(Nowhere), Arc::new(Nowhere)));
+        let shared: Vec<SharedDevice> = vec![
+            Arc::new(Mutex::new(serial::SerialDevice::with_writer(
+                Box::new(std::io::sink()),
+                no_irq.clone(),
+            ))),
+            Arc::new(Mutex::new(i8042::I8042::new(exit.clone()))),
+            Arc::new(Mutex::new(fw_cfg::FwCfg::new(1, 1 << 20))),
+            Arc::new(Mutex::new(acpi_pm::AcpiPm::new(exit))),
+            Arc::new(Mutex::new(pit::Pit::new())),
+            Arc::new(Mutex::new(rtc::Rtc::new(IrqPin::new(no_irq, 8)))),
+            Arc::new(Mutex::new(SplitIrqChipHandle(chip))),
+        ];
+        let mut machine = DeviceList::default();
+        for d in shared {
+            machine.add(d).unwrap();
+        }
+        let serial_state = serial::SerialState {
+            scratch: 0x42,
+            ..Default::default()
+        };
+        let v1 = json!({
+            "vcpus": [],
+            "kernel_irqchip": null,
+            "clock": {"clock_ns": 1, "flags": 0},
+            "devices": {
+                "serial": serial_state,
+                "i8042": i8042::I8042State::default(),
+                "fw_cfg": fw_cfg::FwCfgState::default(),
+                "acpi_pm": acpi_pm::AcpiPm::new(Arc::new(devices::ExitRequest::new().unwrap()))
+                    .state(),
+                "rtc": rtc::RtcState::default(),
+                "pit": pit::PitState::default(),
+                "split_irqchip": SplitIrqChipState::default(),
+            },
+        });
+        let state = MachineState::from_bytes(&serde_json::to_vec(&v1).unwrap()).unwrap();
+        machine.restore(&state.devices).unwrap();
+        assert_eq!(
+            machine.save().unwrap()["serial"].data,
+            serde_json::to_value(serial_state).unwrap()
+        );
     }
 }

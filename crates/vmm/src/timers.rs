@@ -30,6 +30,27 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Holds the timer thread between two ticks: snapshots and migrations pause it with the
+/// devices, so that no PIT or RTC interrupt is raised while the vCPUs' state is read.
+#[derive(Default)]
+pub struct TimerGate {
+    paused: Mutex<bool>,
+    cond: Condvar,
+}
+
+impl TimerGate {
+    /// Returns once the timer thread is between ticks; it starts no other until `resume`.
+    /// (The thread holds the gate's lock while it ticks.)
+    pub fn pause(&self) {
+        *lock(&self.paused) = true;
+    }
+
+    pub fn resume(&self) {
+        *lock(&self.paused) = false;
+        self.cond.notify_all();
+    }
+}
+
 pub struct TimerDevices {
     /// Only in split mode; the in-kernel PIT drives IRQ 0 otherwise.
     pub pit: Option<Arc<Mutex<Pit>>>,
@@ -37,6 +58,7 @@ pub struct TimerDevices {
     pub rtc: Option<Arc<Mutex<Rtc>>>,
     pub irqchip: Arc<dyn IrqChip>,
     pub wake: Arc<TimerWake>,
+    pub gate: Arc<TimerGate>,
 }
 
 impl TimerDevices {
@@ -49,6 +71,7 @@ impl TimerDevices {
 pub struct TimerThread {
     stop: Arc<AtomicBool>,
     wake: Arc<TimerWake>,
+    gate: Arc<TimerGate>,
     handle: JoinHandle<()>,
 }
 
@@ -56,16 +79,25 @@ impl TimerThread {
     pub fn spawn(devices: TimerDevices) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let wake = devices.wake.clone();
+        let gate = devices.gate.clone();
         let thread_stop = stop.clone();
         let handle = std::thread::Builder::new()
             .name("timers".into())
             .spawn(move || run(devices, &thread_stop))?;
-        Ok(TimerThread { stop, wake, handle })
+        Ok(TimerThread {
+            stop,
+            wake,
+            gate,
+            handle,
+        })
     }
 
     pub fn stop(self) {
         self.stop.store(true, Ordering::Release);
         self.wake.deadline_changed();
+        // Taking the lock orders the notification after the thread's check of `stop`.
+        drop(lock(&self.gate.paused));
+        self.gate.cond.notify_all();
         let _ = self.handle.join();
     }
 }
@@ -101,17 +133,86 @@ fn run(devices: TimerDevices, stop: &AtomicBool) {
             }
             *woken = false;
         }
-        let now = Instant::now();
-        if let Some(pit) = &devices.pit {
-            // The PIT lock is released before the line is pulsed (device lock, then PIC).
-            let edges = lock(pit).on_timer(now);
-            if edges > 0 {
-                devices.irqchip.pulse_irq(0);
+        let paused = lock(&devices.gate.paused);
+        if *paused {
+            // Wait for `resume` (or a stop), then look at the deadlines afresh.
+            if !stop.load(Ordering::Acquire) {
+                let _ = devices.gate.cond.wait_timeout(paused, IDLE_WAIT);
+            }
+            continue;
+        }
+        tick(&devices, Instant::now());
+        drop(paused);
+    }
+}
+
+/// Raises what fell due by `now`. Runs with the gate's lock held.
+fn tick(devices: &TimerDevices, now: Instant) {
+    if let Some(pit) = &devices.pit {
+        // The PIT lock is released before the line is pulsed (device lock, then PIC).
+        let edges = lock(pit).on_timer(now);
+        if edges > 0 {
+            devices.irqchip.pulse_irq(0);
+        }
+    }
+    // The RTC raises and lowers IRQ 8 itself.
+    if let Some(rtc) = &devices.rtc {
+        lock(rtc).on_timer(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use devices::bus::BusDevice;
+    use std::sync::atomic::AtomicU32;
+
+    #[derive(Default)]
+    struct CountIrq0(AtomicU32);
+    impl IrqChip for CountIrq0 {
+        fn set_irq(&self, gsi: u32, level: bool) {
+            if gsi == 0 && level {
+                self.0.fetch_add(1, Ordering::SeqCst);
             }
         }
-        // The RTC raises and lowers IRQ 8 itself.
-        if let Some(rtc) = &devices.rtc {
-            lock(rtc).on_timer(now);
-        }
+    }
+
+    #[test]
+    fn a_paused_gate_holds_the_timer_thread() {
+        let mut pit = Pit::new();
+        // Channel 0, lobyte/hibyte, mode 2, count 1193: a 1 ms period.
+        pit.write(3, &[0x34]);
+        pit.write(0, &[0xa9]);
+        pit.write(0, &[0x04]);
+        let irqs = Arc::new(CountIrq0::default());
+        let devices = TimerDevices {
+            pit: Some(Arc::new(Mutex::new(pit))),
+            rtc: None,
+            irqchip: irqs.clone(),
+            wake: Arc::default(),
+            gate: Arc::default(),
+        };
+        let gate = devices.gate.clone();
+        let thread = TimerThread::spawn(devices).unwrap();
+        let count = || irqs.0.load(Ordering::SeqCst);
+        let wait_for_more = |than: u32| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while count() <= than && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            count() > than
+        };
+        assert!(wait_for_more(0), "the PIT never ticked");
+        gate.pause();
+        let paused_at = count();
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(count(), paused_at, "IRQ 0 raised while paused");
+        gate.resume();
+        assert!(wait_for_more(paused_at), "no IRQ 0 after resume");
+        gate.pause();
+        // Stopping a paused thread does not wait for a resume.
+        let stopping = Instant::now();
+        thread.stop();
+        assert!(stopping.elapsed() < IDLE_WAIT * 2);
     }
 }

@@ -58,6 +58,7 @@ pub use pic::{Pic, PicChipState, PicState, ELCR_BASE, MASTER_BASE, PIC_PORTS, SL
 use serde::{Deserialize, Serialize};
 
 use crate::bus::{Bus, BusDevice, BusError};
+use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::serial::{IrqLine, NoIrq};
 use crate::state::StateError;
 
@@ -471,6 +472,43 @@ impl BusDevice for IoapicMmio {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         self.chip.ioapic_write(offset, data);
+    }
+}
+
+/// Layout version of the state [`Lifecycle::save`] writes: a [`SplitIrqChipState`].
+pub const SPLIT_IRQCHIP_STATE_VERSION: u32 = 1;
+
+/// The split irqchip as an entry of the machine's device list. The chip itself is shared
+/// (buses, interrupt lines, the BSP's ExtINT path) and locks inside, so the list holds a
+/// handle on it rather than the chip.
+pub struct SplitIrqChipHandle(pub Arc<SplitIrqChip>);
+
+/// The chip delivers only when a line changes or a vCPU acknowledges or EOIs, never on its
+/// own: pause and resume have nothing to do.
+impl Lifecycle for SplitIrqChipHandle {
+    fn id(&self) -> String {
+        "split_irqchip".into()
+    }
+
+    fn save(&self) -> Result<DeviceState, LifecycleError> {
+        DeviceState::new(SPLIT_IRQCHIP_STATE_VERSION, &self.0.state())
+    }
+
+    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
+        self.0
+            .restore(&state.parse("split irqchip", SPLIT_IRQCHIP_STATE_VERSION)?)
+    }
+
+    /// Both controllers as created: 8259s uninitialized, I/O APIC pins masked (its routes
+    /// republished, so the kernel forgets the old ones).
+    fn reset(&mut self) {
+        let power_on = SplitIrqChipState {
+            pic: Pic::new().state(),
+            ioapic: Ioapic::new().state(),
+        };
+        if let Err(e) = self.0.restore(&power_on) {
+            log::error!("split irqchip reset refused its own power-on state: {e}");
+        }
     }
 }
 

@@ -868,6 +868,14 @@ fn what_bhyve_cannot_do_is_refused_clearly() {
     assert_unsupported(vm.create_irqchip(IrqChipMode::Split { ioapic_pins: 24 }));
     assert!(vm.create_irqchip(IrqChipMode::Kernel).is_ok());
     assert_unsupported(vm.set_msi_routes(&[]));
+    // The trait's defaults: vmm.ko has neither irqfd nor ioeventfd.
+    for r in [
+        vm.set_msi_route(crate::FIRST_MSI_GSI, None),
+        vm.register_irqfd(0, crate::FIRST_MSI_GSI),
+        vm.register_ioeventfd(0, crate::IoEventAddress::Mmio(0xd000_0000), 4, None),
+    ] {
+        assert!(matches!(r, Err(HypervisorError::Unsupported(_))), "{r:?}");
+    }
     assert_unsupported(vm.dirty_log(0, 4096));
     assert_unsupported(vm.set_dirty_logging(&region(0, 0, 4096, 0), true));
     assert_unsupported(vm.clear_dirty_log(0, 0, 64));

@@ -618,6 +618,11 @@ impl Vm for BhyveVm {
         )
     }
 
+    // `set_msi_route`, `register_irqfd` and `register_ioeventfd` keep the trait's
+    // Unsupported defaults: vmm.ko has no eventfd-driven injection and no in-kernel
+    // notification of guest writes (no irqfd, no ioeventfd, no GSI routing table). Devices
+    // inject with `signal_msi` (VM_LAPIC_MSI), and queue notifications reach them as exits.
+
     fn dirty_log(&self, _slot: u32, _size: u64) -> Result<Vec<u64>> {
         unsupported(
             "dirty-page tracking",

@@ -2,33 +2,35 @@
 
 mod convert;
 mod irqchip;
+mod routes;
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::os::unix::io::{FromRawFd, RawFd};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid_entry2, kvm_enable_cap, kvm_irq_routing_entry, kvm_irq_routing_msi,
-    kvm_irqchip, kvm_msi, kvm_msr_entry, kvm_pit_config, kvm_run, kvm_userspace_memory_region,
-    kvm_xcr, kvm_xcrs, kvm_xsave, CpuId, KvmIrqRouting, Msrs, KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
-    KVM_INTERNAL_ERROR_EMULATION, KVM_IRQ_ROUTING_MSI, KVM_MAX_CPUID_ENTRIES,
-    KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY, KVM_SYSTEM_EVENT_RESET,
-    KVM_SYSTEM_EVENT_SHUTDOWN,
+    kvm_clock_data, kvm_cpuid_entry2, kvm_enable_cap, kvm_irqchip, kvm_msi, kvm_msr_entry,
+    kvm_pit_config, kvm_run, kvm_userspace_memory_region, kvm_xcr, kvm_xcrs, kvm_xsave, CpuId,
+    Msrs, KVM_CPUID_FLAG_SIGNIFCANT_INDEX, KVM_INTERNAL_ERROR_EMULATION, KVM_IRQCHIP_IOAPIC,
+    KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES,
+    KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
 };
-use kvm_bindings::{
-    kvm_irq_routing_irqchip, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
-    KVM_IRQ_ROUTING_IRQCHIP,
+use kvm_ioctls::{
+    Cap, IoEventAddress as KvmIoEventAddress, Kvm, NoDatamatch, VcpuExit as KvmExit, VcpuFd, VmFd,
 };
-use kvm_ioctls::{Cap, Kvm, VcpuExit as KvmExit, VcpuFd, VmFd};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::kick;
 use crate::{
     AccelKind, Capabilities, ClockData, CpuidEntry, FpuState, Hypervisor, HypervisorError,
-    IrqChipMode, IrqChipState, LapicState, MemoryRegion, MpState, MsiMessage, MsrEntry, Result,
-    SpecialRegisters, StandardRegisters, Vcpu, VcpuEvents, VcpuExit, VcpuKicker, Vm, Xcr,
-    XsaveState, LAPIC_REGS_SIZE,
+    IoEventAddress, IrqChipMode, IrqChipState, LapicState, MemoryRegion, MpState, MsiMessage,
+    MsrEntry, Result, SpecialRegisters, StandardRegisters, Vcpu, VcpuEvents, VcpuExit, VcpuKicker,
+    Vm, Xcr, XsaveState, LAPIC_REGS_SIZE,
 };
 use convert::*;
+use routes::GsiRoutes;
 
 const KVM_DEVICE: &str = "/dev/kvm";
 
@@ -148,9 +150,8 @@ impl Hypervisor for KvmHypervisor {
                 .check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into())
                 > 0,
             x2apic_api: kvm.check_extension(Cap::X2ApicApi),
-            // Implemented by the backend in a later change; reported false until then.
-            irqfd: false,
-            ioeventfd: false,
+            irqfd: kvm.check_extension(Cap::Irqfd),
+            ioeventfd: kvm.check_extension(Cap::Ioeventfd),
             user_space_msr: kvm.check_extension(Cap::X86UserSpaceMsr),
             immediate_exit: kvm.check_extension(Cap::ImmediateExit),
             xsave: kvm.check_extension(Cap::Xsave),
@@ -181,6 +182,7 @@ impl Hypervisor for KvmHypervisor {
         Ok(Arc::new(KvmVm {
             fd,
             slots: Mutex::new(HashMap::new()),
+            routes: Mutex::new(GsiRoutes::default()),
         }))
     }
 
@@ -206,6 +208,9 @@ pub struct KvmVm {
     /// The memory slots as registered, so a slot is only ever re-registered with the host
     /// mapping the caller vouched for in `map_memory`.
     slots: Mutex<HashMap<u32, kvm_userspace_memory_region>>,
+    /// The GSI routing table's two parts (interrupt controllers, devices), written whole to
+    /// the kernel on every change.
+    routes: Mutex<GsiRoutes>,
 }
 
 impl KvmVm {
@@ -274,43 +279,104 @@ impl KvmVm {
         }
     }
 
-    /// The PC wiring of the in-kernel controllers, as ferrovm's MADT and MP table declare it:
-    /// ISA IRQ n reaches PIC input n and IOAPIC pin n, except IRQ 0 (the PIT), which the
-    /// IOAPIC sees on pin 2. KVM's default table sends IRQ 0 to pin 0.
-    fn install_pc_irq_routing(&self) -> Result<()> {
-        let route = |gsi: u32, irqchip: u32, pin: u32| {
-            let mut entry = kvm_irq_routing_entry {
-                gsi,
-                type_: KVM_IRQ_ROUTING_IRQCHIP,
-                ..Default::default()
-            };
-            entry.u.irqchip = kvm_irq_routing_irqchip { irqchip, pin };
-            entry
-        };
-        let mut entries = Vec::new();
-        for irq in 0..16u32 {
-            if irq == 2 {
-                continue; // the cascade
-            }
-            let (chip, pin) = if irq < 8 {
-                (KVM_IRQCHIP_PIC_MASTER, irq)
-            } else {
-                (KVM_IRQCHIP_PIC_SLAVE, irq - 8)
-            };
-            entries.push(route(irq, chip, pin));
-        }
-        for gsi in 0..24u32 {
-            match gsi {
-                0 => entries.push(route(0, KVM_IRQCHIP_IOAPIC, 2)),
-                2 => {}
-                _ => entries.push(route(gsi, KVM_IRQCHIP_IOAPIC, gsi)),
-            }
-        }
-        let table = KvmIrqRouting::from_entries(&entries)
-            .map_err(|_| HypervisorError::Invalid("IRQ routing table".into()))?;
+    /// Applies `change` to a copy of the GSI routing table, writes the union of its parts to
+    /// the kernel, and keeps the copy only if the kernel took it. The lock is held across the
+    /// write, so the interrupt controllers and the devices never overwrite each other.
+    fn update_routes(&self, change: impl FnOnce(&mut GsiRoutes) -> Result<()>) -> Result<()> {
+        let mut routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut next = routes.clone();
+        change(&mut next)?;
         self.fd
-            .set_gsi_routing(&table)
-            .map_err(ioctl_err("KVM_SET_GSI_ROUTING"))
+            .set_gsi_routing(&next.table()?)
+            .map_err(ioctl_err("KVM_SET_GSI_ROUTING"))?;
+        *routes = next;
+        Ok(())
+    }
+
+    /// KVM_IOEVENTFD, assigning or deassigning. kvm-ioctls takes the access width from the
+    /// type of the datamatch value; without one it registers a write of any width.
+    fn ioevent(
+        &self,
+        fd: RawFd,
+        addr: IoEventAddress,
+        len: u32,
+        datamatch: Option<u64>,
+        assign: bool,
+    ) -> Result<()> {
+        let event = borrowed_eventfd(fd)?;
+        let addr = match addr {
+            IoEventAddress::Pio(port) => KvmIoEventAddress::Pio(port),
+            IoEventAddress::Mmio(gpa) => KvmIoEventAddress::Mmio(gpa),
+        };
+        let op = if assign {
+            "KVM_IOEVENTFD"
+        } else {
+            "KVM_IOEVENTFD (deassign)"
+        };
+        let too_wide = || {
+            HypervisorError::Invalid(format!(
+                "ioeventfd datamatch {:#x} does not fit in {len} bytes",
+                datamatch.unwrap_or(0)
+            ))
+        };
+        let fd = &self.fd;
+        let result = match (len, datamatch) {
+            (0 | 1 | 2 | 4 | 8, None) => ioevent_call(fd, &event, &addr, NoDatamatch, assign),
+            (1, Some(v)) => ioevent_call(
+                fd,
+                &event,
+                &addr,
+                u8::try_from(v).map_err(|_| too_wide())?,
+                assign,
+            ),
+            (2, Some(v)) => ioevent_call(
+                fd,
+                &event,
+                &addr,
+                u16::try_from(v).map_err(|_| too_wide())?,
+                assign,
+            ),
+            (4, Some(v)) => ioevent_call(
+                fd,
+                &event,
+                &addr,
+                u32::try_from(v).map_err(|_| too_wide())?,
+                assign,
+            ),
+            (8, Some(v)) => ioevent_call(fd, &event, &addr, v, assign),
+            _ => {
+                return Err(HypervisorError::Invalid(format!(
+                    "ioeventfd of {len} bytes (1, 2, 4 or 8; 0 for any width without datamatch)"
+                )))
+            }
+        };
+        result.map_err(ioctl_err(op))
+    }
+}
+
+/// The caller's eventfd `fd` as the `EventFd` kvm-ioctls wants, without taking ownership:
+/// the wrapper is never dropped, so the descriptor is never closed here.
+fn borrowed_eventfd(fd: RawFd) -> Result<ManuallyDrop<EventFd>> {
+    if fd < 0 {
+        return Err(HypervisorError::Invalid(format!("eventfd {fd}")));
+    }
+    // SAFETY: the caller keeps `fd` open for the duration of the call (the `Vm` methods'
+    // contract); `ManuallyDrop` keeps the wrapper from closing it. Only its number reaches
+    // the kernel, which checks that it is an eventfd.
+    Ok(ManuallyDrop::new(unsafe { EventFd::from_raw_fd(fd) }))
+}
+
+fn ioevent_call<T: Into<u64>>(
+    vm: &VmFd,
+    event: &EventFd,
+    addr: &KvmIoEventAddress,
+    datamatch: T,
+    assign: bool,
+) -> std::result::Result<(), vmm_sys_util::errno::Error> {
+    if assign {
+        vm.register_ioevent(event, addr, datamatch)
+    } else {
+        vm.unregister_ioevent(event, addr, datamatch)
     }
 }
 
@@ -348,7 +414,10 @@ impl Vm for KvmVm {
                 self.fd
                     .create_irq_chip()
                     .map_err(ioctl_err("KVM_CREATE_IRQCHIP"))?;
-                self.install_pc_irq_routing()?;
+                self.update_routes(|routes| {
+                    routes.set_pc_wiring();
+                    Ok(())
+                })?;
                 let pit = kvm_pit_config {
                     flags: KVM_PIT_SPEAKER_DUMMY,
                     ..Default::default()
@@ -406,28 +475,45 @@ impl Vm for KvmVm {
     }
 
     fn set_msi_routes(&self, routes: &[(u32, MsiMessage)]) -> Result<()> {
-        let entries: Vec<kvm_irq_routing_entry> = routes
-            .iter()
-            .map(|(gsi, msi)| {
-                let mut entry = kvm_irq_routing_entry {
-                    gsi: *gsi,
-                    type_: KVM_IRQ_ROUTING_MSI,
-                    ..Default::default()
-                };
-                entry.u.msi = kvm_irq_routing_msi {
-                    address_lo: msi.address as u32,
-                    address_hi: (msi.address >> 32) as u32,
-                    data: msi.data,
-                    ..Default::default()
-                };
-                entry
-            })
-            .collect();
-        let table = KvmIrqRouting::from_entries(&entries)
-            .map_err(|_| HypervisorError::Invalid(format!("{} GSI routes", routes.len())))?;
+        self.update_routes(|table| table.set_ioapic_msis(routes))
+    }
+
+    fn set_msi_route(&self, gsi: u32, msi: Option<MsiMessage>) -> Result<()> {
+        self.update_routes(|table| table.set_device_msi(gsi, msi))
+    }
+
+    fn register_irqfd(&self, fd: RawFd, gsi: u32) -> Result<()> {
+        let event = borrowed_eventfd(fd)?;
         self.fd
-            .set_gsi_routing(&table)
-            .map_err(ioctl_err("KVM_SET_GSI_ROUTING"))
+            .register_irqfd(&event, gsi)
+            .map_err(ioctl_err("KVM_IRQFD"))
+    }
+
+    fn unregister_irqfd(&self, fd: RawFd, gsi: u32) -> Result<()> {
+        let event = borrowed_eventfd(fd)?;
+        self.fd
+            .unregister_irqfd(&event, gsi)
+            .map_err(ioctl_err("KVM_IRQFD (deassign)"))
+    }
+
+    fn register_ioeventfd(
+        &self,
+        fd: RawFd,
+        addr: IoEventAddress,
+        len: u32,
+        datamatch: Option<u64>,
+    ) -> Result<()> {
+        self.ioevent(fd, addr, len, datamatch, true)
+    }
+
+    fn unregister_ioeventfd(
+        &self,
+        fd: RawFd,
+        addr: IoEventAddress,
+        len: u32,
+        datamatch: Option<u64>,
+    ) -> Result<()> {
+        self.ioevent(fd, addr, len, datamatch, false)
     }
 
     fn dirty_log(&self, slot: u32, size: u64) -> Result<Vec<u64>> {

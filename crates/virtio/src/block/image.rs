@@ -1,0 +1,766 @@
+//! A raw disk image on the host: a regular file or a block device, opened, locked, sized,
+//! and read and written straight into guest memory.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{Bytes, VolatileSlice};
+
+use super::options::{BlockOptions, CacheMode};
+
+/// Bytes in a virtio-blk sector.
+pub const SECTOR_SIZE: u64 = 512;
+/// Size of a worker's bounce buffer: unaligned direct I/O and zero writes go through it in
+/// pieces of at most this.
+const BOUNCE_SIZE: usize = 1 << 20;
+/// Alignment of the bounce buffer (a page, enough for any device's direct I/O).
+const BOUNCE_ALIGN: usize = 4096;
+
+/// Why an image cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("disk {}: {what}", path.display())]
+pub struct ImageError {
+    pub path: PathBuf,
+    pub kind: ImageErrorKind,
+    pub what: String,
+}
+
+/// The class of an [`ImageError`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageErrorKind {
+    /// Bad options, missing, unreadable or not an image.
+    Open,
+    /// Another process (or another open of it) holds the image's lock.
+    Locked,
+    /// cache=none, but the file system refuses O_DIRECT.
+    DirectIo,
+}
+
+fn image_error(path: &Path, kind: ImageErrorKind, what: impl Into<String>) -> ImageError {
+    ImageError {
+        path: path.to_path_buf(),
+        kind,
+        what: what.into(),
+    }
+}
+
+/// What backs the image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageKind {
+    File,
+    BlockDevice,
+}
+
+/// An open, locked raw image.
+#[derive(Debug)]
+pub struct DiskImage {
+    file: File,
+    path: PathBuf,
+    kind: ImageKind,
+    /// Usable size in bytes: a whole number of sectors (a partial last sector is not shown).
+    size: u64,
+    readonly: bool,
+    /// With O_DIRECT: the alignment of offsets, lengths and memory the file system demands.
+    direct_align: Option<usize>,
+}
+
+impl DiskImage {
+    /// Opens and locks the image `options` names.
+    pub fn open(options: &BlockOptions) -> Result<DiskImage, ImageError> {
+        let path = options.path.as_path();
+        options
+            .validate()
+            .map_err(|e| image_error(path, ImageErrorKind::Open, e))?;
+        let kind = image_kind(path)?;
+        let file = open_file(path, options)?;
+        lock_image(&file, path, options.readonly)?;
+        let bytes = image_size(&file, kind)
+            .map_err(|e| image_error(path, ImageErrorKind::Open, format!("cannot size: {e}")))?;
+        let direct_align =
+            (options.cache == CacheMode::None).then(|| probe_direct_alignment(&file));
+        Ok(DiskImage {
+            file,
+            path: path.to_path_buf(),
+            kind,
+            size: bytes - bytes % SECTOR_SIZE,
+            readonly: options.readonly,
+            direct_align,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn kind(&self) -> ImageKind {
+        self.kind
+    }
+
+    /// Capacity in 512-byte sectors.
+    pub fn sectors(&self) -> u64 {
+        self.size / SECTOR_SIZE
+    }
+
+    pub fn readonly(&self) -> bool {
+        self.readonly
+    }
+
+    /// The logical block size the guest should use: 512, or what O_DIRECT demands.
+    pub fn block_size(&self) -> u32 {
+        self.direct_align.map_or(SECTOR_SIZE as u32, |a| a as u32)
+    }
+
+    /// Fills `bufs` (guest memory) from the image at `offset`.
+    pub fn read_into<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        bufs: &[VolatileSlice<B>],
+        bounce: &mut Bounce,
+    ) -> io::Result<()> {
+        if self.needs_bounce(offset, bufs)? {
+            return self.read_bounced(offset, bufs, bounce);
+        }
+        let guards: Vec<_> = bufs.iter().map(|b| b.ptr_guard_mut()).collect();
+        let mut iovecs: Vec<libc::iovec> = guards
+            .iter()
+            .zip(bufs)
+            .map(|(g, b)| libc::iovec {
+                iov_base: g.as_ptr().cast(),
+                iov_len: b.len(),
+            })
+            .collect();
+        let result = self.transfer(Direction::Read, offset, &mut iovecs);
+        for b in bufs {
+            b.bitmap().mark_dirty(0, b.len());
+        }
+        result
+    }
+
+    /// Writes `bufs` (guest memory) to the image at `offset`.
+    pub fn write_from<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        bufs: &[VolatileSlice<B>],
+        bounce: &mut Bounce,
+    ) -> io::Result<()> {
+        self.check_writable()?;
+        if self.needs_bounce(offset, bufs)? {
+            return self.write_bounced(offset, bufs, bounce);
+        }
+        let guards: Vec<_> = bufs.iter().map(|b| b.ptr_guard()).collect();
+        let mut iovecs: Vec<libc::iovec> = guards
+            .iter()
+            .zip(bufs)
+            .map(|(g, b)| libc::iovec {
+                iov_base: g.as_ptr() as *mut libc::c_void,
+                iov_len: b.len(),
+            })
+            .collect();
+        self.transfer(Direction::Write, offset, &mut iovecs)
+    }
+
+    /// Makes every completed write durable (fdatasync).
+    pub fn flush(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// Tells the host the range is unused. Where the host cannot, nothing happens: a discard
+    /// is a hint.
+    pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.check_writable()?;
+        match sys::deallocate(&self.file, self.kind, offset, len) {
+            Err(e) if sys::is_unsupported(&e) => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Zeroes the range; with `unmap` the host may free its storage.
+    pub fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+        bounce: &mut Bounce,
+    ) -> io::Result<()> {
+        self.check_writable()?;
+        match sys::zero_range(&self.file, self.kind, offset, len, unmap) {
+            Err(e) if sys::is_unsupported(&e) => self.write_zero_buffers(offset, len, bounce),
+            other => other,
+        }
+    }
+
+    fn check_writable(&self) -> io::Result<()> {
+        if self.readonly {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the image is read-only",
+            ));
+        }
+        Ok(())
+    }
+
+    /// With O_DIRECT: refuses requests whose offset or length the file system cannot take,
+    /// and says whether guest memory is too loosely aligned to be used directly.
+    fn needs_bounce<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        bufs: &[VolatileSlice<B>],
+    ) -> io::Result<bool> {
+        let Some(align) = self.direct_align else {
+            return Ok(false);
+        };
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if !offset.is_multiple_of(align as u64) || !total.is_multiple_of(align) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("request not aligned to the image's {align}-byte direct I/O block"),
+            ));
+        }
+        let aligned = bufs.iter().all(|b| {
+            (b.ptr_guard().as_ptr() as usize).is_multiple_of(align) && b.len().is_multiple_of(align)
+        });
+        Ok(!aligned)
+    }
+
+    fn read_bounced<B: BitmapSlice>(
+        &self,
+        mut offset: u64,
+        bufs: &[VolatileSlice<B>],
+        bounce: &mut Bounce,
+    ) -> io::Result<()> {
+        let mut cursor = SliceCursor::new(bufs);
+        while cursor.remaining() > 0 {
+            let chunk = bounce.window(cursor.remaining().min(BOUNCE_SIZE));
+            self.file.read_exact_at(chunk, offset)?;
+            cursor.copy_in(chunk)?;
+            offset += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn write_bounced<B: BitmapSlice>(
+        &self,
+        mut offset: u64,
+        bufs: &[VolatileSlice<B>],
+        bounce: &mut Bounce,
+    ) -> io::Result<()> {
+        let mut cursor = SliceCursor::new(bufs);
+        while cursor.remaining() > 0 {
+            let chunk = bounce.window(cursor.remaining().min(BOUNCE_SIZE));
+            cursor.copy_out(chunk)?;
+            self.file.write_all_at(chunk, offset)?;
+            offset += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn write_zero_buffers(&self, offset: u64, len: u64, bounce: &mut Bounce) -> io::Result<()> {
+        let mut done = 0;
+        while done < len {
+            let chunk = bounce.window((len - done).min(BOUNCE_SIZE as u64) as usize);
+            chunk.fill(0);
+            self.file.write_all_at(chunk, offset + done)?;
+            done += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// preadv/pwritev until every byte of `iovecs` moved; they are consumed in the process.
+    fn transfer(
+        &self,
+        dir: Direction,
+        mut offset: u64,
+        iovecs: &mut [libc::iovec],
+    ) -> io::Result<()> {
+        let mut first = 0;
+        while first < iovecs.len() {
+            let batch = &iovecs[first..iovecs.len().min(first + IOV_MAX)];
+            let done = sys::vectored(&self.file, dir, batch, offset)?;
+            if done == 0 {
+                return Err(match dir {
+                    Direction::Read => io::Error::from(io::ErrorKind::UnexpectedEof),
+                    Direction::Write => io::Error::from(io::ErrorKind::WriteZero),
+                });
+            }
+            offset += done as u64;
+            advance(iovecs, &mut first, done);
+        }
+        Ok(())
+    }
+}
+
+/// Most iovecs one preadv/pwritev takes (POSIX guarantees 1024 on Linux and FreeBSD).
+const IOV_MAX: usize = 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direction {
+    Read,
+    Write,
+}
+
+/// Drops the first `done` bytes from `iovecs[*first..]`.
+fn advance(iovecs: &mut [libc::iovec], first: &mut usize, mut done: usize) {
+    while let Some(iov) = iovecs.get_mut(*first) {
+        if done < iov.iov_len {
+            iov.iov_base = iov.iov_base.wrapping_add(done);
+            iov.iov_len -= done;
+            return;
+        }
+        done -= iov.iov_len;
+        *first += 1;
+    }
+}
+
+/// A page-aligned scratch buffer, one per worker thread, allocated on first use.
+#[derive(Default)]
+pub struct Bounce {
+    storage: Vec<u8>,
+}
+
+impl Bounce {
+    /// The first `len` (≤ [`BOUNCE_SIZE`]) bytes of the aligned buffer.
+    fn window(&mut self, len: usize) -> &mut [u8] {
+        if self.storage.is_empty() {
+            self.storage = vec![0; BOUNCE_SIZE + BOUNCE_ALIGN];
+        }
+        let start = self.storage.as_ptr().align_offset(BOUNCE_ALIGN);
+        &mut self.storage[start..start + len.min(BOUNCE_SIZE)]
+    }
+}
+
+/// Walks a list of guest slices, copying to or from flat buffers.
+struct SliceCursor<'s, 'a, B> {
+    bufs: &'s [VolatileSlice<'a, B>],
+    index: usize,
+    offset: usize,
+    remaining: usize,
+}
+
+impl<'s, 'a, B: BitmapSlice> SliceCursor<'s, 'a, B> {
+    fn new(bufs: &'s [VolatileSlice<'a, B>]) -> Self {
+        SliceCursor {
+            bufs,
+            index: 0,
+            offset: 0,
+            remaining: bufs.iter().map(|b| b.len()).sum(),
+        }
+    }
+
+    fn remaining(&self) -> usize {
+        self.remaining
+    }
+
+    /// Copies `data` into the guest slices at the cursor.
+    fn copy_in(&mut self, data: &[u8]) -> io::Result<()> {
+        self.walk(data.len(), |slice, at, range| {
+            slice
+                .write_slice(&data[range], at)
+                .map_err(io::Error::other)
+        })
+    }
+
+    /// Copies the guest slices at the cursor into `data`.
+    fn copy_out(&mut self, data: &mut [u8]) -> io::Result<()> {
+        self.walk(data.len(), |slice, at, range| {
+            slice
+                .read_slice(&mut data[range], at)
+                .map_err(io::Error::other)
+        })
+    }
+
+    fn walk(
+        &mut self,
+        len: usize,
+        mut step: impl FnMut(&VolatileSlice<'a, B>, usize, std::ops::Range<usize>) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let mut done = 0;
+        while done < len {
+            let slice = self
+                .bufs
+                .get(self.index)
+                .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
+            let n = (slice.len() - self.offset).min(len - done);
+            step(slice, self.offset, done..done + n)?;
+            done += n;
+            self.offset += n;
+            self.remaining -= n;
+            if self.offset == slice.len() {
+                self.index += 1;
+                self.offset = 0;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn image_kind(path: &Path) -> Result<ImageKind, ImageError> {
+    let meta = std::fs::metadata(path)
+        .map_err(|e| image_error(path, ImageErrorKind::Open, format!("cannot open: {e}")))?;
+    let ft = meta.file_type();
+    if ft.is_dir() {
+        Err(image_error(path, ImageErrorKind::Open, "is a directory"))
+    } else if ft.is_file() {
+        Ok(ImageKind::File)
+    } else if ft.is_block_device() || (cfg!(target_os = "freebsd") && ft.is_char_device()) {
+        // FreeBSD's disks are character devices.
+        Ok(ImageKind::BlockDevice)
+    } else {
+        Err(image_error(
+            path,
+            ImageErrorKind::Open,
+            "not a regular file or a block device",
+        ))
+    }
+}
+
+fn open_file(path: &Path, options: &BlockOptions) -> Result<File, ImageError> {
+    let mut open = OpenOptions::new();
+    open.read(true).write(!options.readonly);
+    if options.cache == CacheMode::None {
+        open.custom_flags(libc::O_DIRECT);
+    }
+    open.open(path).map_err(|e| {
+        if options.cache == CacheMode::None && e.raw_os_error() == Some(libc::EINVAL) {
+            image_error(
+                path,
+                ImageErrorKind::DirectIo,
+                "the file system refuses O_DIRECT (cache=none); use cache=writeback",
+            )
+        } else {
+            image_error(path, ImageErrorKind::Open, format!("cannot open: {e}"))
+        }
+    })
+}
+
+/// Takes the image's advisory lock: exclusive for a writable image, shared for a read-only
+/// one, so two VMs never write one disk. A file system without locks gets a warning.
+fn lock_image(file: &File, path: &Path, readonly: bool) -> Result<(), ImageError> {
+    match sys::lock(file, readonly) {
+        Ok(()) => Ok(()),
+        Err(e) if sys::is_lock_conflict(&e) => Err(image_error(
+            path,
+            ImageErrorKind::Locked,
+            format!(
+                "locked by another process ({} lock refused: {e})",
+                if readonly { "shared" } else { "exclusive" }
+            ),
+        )),
+        Err(e) if sys::is_unsupported(&e) || e.raw_os_error() == Some(libc::ENOLCK) => {
+            log::warn!(
+                "disk {}: cannot lock it ({e}); going on unlocked",
+                path.display()
+            );
+            Ok(())
+        }
+        Err(e) => Err(image_error(
+            path,
+            ImageErrorKind::Open,
+            format!("cannot lock: {e}"),
+        )),
+    }
+}
+
+fn image_size(file: &File, kind: ImageKind) -> io::Result<u64> {
+    match kind {
+        ImageKind::File => Ok(file.metadata()?.len()),
+        ImageKind::BlockDevice => sys::device_size(file),
+    }
+}
+
+/// The smallest alignment O_DIRECT reads accept (512 or 4096), tried on the first block.
+fn probe_direct_alignment(file: &File) -> usize {
+    let mut bounce = Bounce::default();
+    for align in [512, 4096] {
+        match file.read_at(bounce.window(align), 0) {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => continue,
+            _ => return align,
+        }
+    }
+    BOUNCE_ALIGN
+}
+
+/// The system calls that differ between hosts.
+#[cfg(target_os = "linux")]
+mod sys {
+    use super::*;
+
+    /// BLKDISCARD and BLKZEROOUT (linux/fs.h): _IO(0x12, 119) and _IO(0x12, 127).
+    const BLKDISCARD: libc::c_ulong = 0x1277;
+    const BLKZEROOUT: libc::c_ulong = 0x127f;
+
+    pub fn lock(file: &File, readonly: bool) -> io::Result<()> {
+        let lock_type = if readonly {
+            libc::F_RDLCK
+        } else {
+            libc::F_WRLCK
+        };
+        // SAFETY: an all-zero flock is a valid value; the fields that matter are set below.
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = lock_type as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        // An OFD lock belongs to this open file description: a second open conflicts even in
+        // this process, and closing another descriptor of the file does not drop it.
+        // SAFETY: `fl` is a valid flock for the duration of the call.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    pub fn is_lock_conflict(e: &io::Error) -> bool {
+        matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES))
+    }
+
+    pub fn is_unsupported(e: &io::Error) -> bool {
+        matches!(
+            e.raw_os_error(),
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::ENOSYS) | Some(libc::EINVAL)
+        )
+    }
+
+    pub fn device_size(file: &File) -> io::Result<u64> {
+        use std::io::{Seek, SeekFrom};
+        let mut f = file;
+        f.seek(SeekFrom::End(0))
+    }
+
+    pub(super) fn vectored(
+        file: &File,
+        dir: Direction,
+        iovecs: &[libc::iovec],
+        offset: u64,
+    ) -> io::Result<usize> {
+        let offset =
+            i64::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        loop {
+            // SAFETY: every iovec points into guest memory that the caller's slices keep
+            // mapped, within each slice's length; the kernel touches nothing else.
+            let rc = unsafe {
+                match dir {
+                    Direction::Read => libc::preadv(
+                        file.as_raw_fd(),
+                        iovecs.as_ptr(),
+                        iovecs.len() as i32,
+                        offset,
+                    ),
+                    Direction::Write => libc::pwritev(
+                        file.as_raw_fd(),
+                        iovecs.as_ptr(),
+                        iovecs.len() as i32,
+                        offset,
+                    ),
+                }
+            };
+            if rc >= 0 {
+                return Ok(rc as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    fn fallocate(file: &File, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
+        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        };
+        // SAFETY: plain system call on an owned descriptor.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), mode, offset, len) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn block_ioctl(file: &File, request: libc::c_ulong, offset: u64, len: u64) -> io::Result<()> {
+        let range: [u64; 2] = [offset, len];
+        // SAFETY: BLKDISCARD and BLKZEROOUT read two u64s (start, length) from the pointer.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), request, range.as_ptr()) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    pub fn deallocate(file: &File, kind: ImageKind, offset: u64, len: u64) -> io::Result<()> {
+        match kind {
+            ImageKind::File => fallocate(
+                file,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            ),
+            ImageKind::BlockDevice => block_ioctl(file, BLKDISCARD, offset, len),
+        }
+    }
+
+    pub fn zero_range(
+        file: &File,
+        kind: ImageKind,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+    ) -> io::Result<()> {
+        match kind {
+            ImageKind::BlockDevice => block_ioctl(file, BLKZEROOUT, offset, len),
+            ImageKind::File if unmap => deallocate(file, kind, offset, len).or_else(|_| {
+                fallocate(
+                    file,
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset,
+                    len,
+                )
+            }),
+            ImageKind::File => fallocate(
+                file,
+                libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            ),
+        }
+    }
+}
+
+/// FreeBSD (and other Unixes): flock, fspacectl where there is one, plain writes otherwise.
+#[cfg(not(target_os = "linux"))]
+mod sys {
+    use super::*;
+
+    pub fn lock(file: &File, readonly: bool) -> io::Result<()> {
+        let op = if readonly {
+            libc::LOCK_SH
+        } else {
+            libc::LOCK_EX
+        };
+        // SAFETY: plain system call on an owned descriptor. flock locks belong to the open
+        // file description, like Linux's OFD locks.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    pub fn is_lock_conflict(e: &io::Error) -> bool {
+        e.kind() == io::ErrorKind::WouldBlock
+    }
+
+    pub fn is_unsupported(e: &io::Error) -> bool {
+        matches!(
+            e.raw_os_error(),
+            Some(libc::EOPNOTSUPP)
+                | Some(libc::ENOTTY)
+                | Some(libc::ENOSYS)
+                | Some(libc::ENODEV)
+                | Some(libc::EINVAL)
+        )
+    }
+
+    #[cfg(target_os = "freebsd")]
+    pub fn device_size(file: &File) -> io::Result<u64> {
+        /// DIOCGMEDIASIZE (sys/disk.h): _IOR('d', 129, off_t).
+        const DIOCGMEDIASIZE: libc::c_ulong = 0x4008_6481;
+        let mut size: libc::off_t = 0;
+        // SAFETY: DIOCGMEDIASIZE writes one off_t to the pointer.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), DIOCGMEDIASIZE, &mut size) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        u64::try_from(size).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
+    }
+
+    #[cfg(not(target_os = "freebsd"))]
+    pub fn device_size(file: &File) -> io::Result<u64> {
+        use std::io::{Seek, SeekFrom};
+        let mut f = file;
+        f.seek(SeekFrom::End(0))
+    }
+
+    pub(super) fn vectored(
+        file: &File,
+        dir: Direction,
+        iovecs: &[libc::iovec],
+        offset: u64,
+    ) -> io::Result<usize> {
+        let offset = libc::off_t::try_from(offset)
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        loop {
+            // SAFETY: every iovec points into guest memory that the caller's slices keep
+            // mapped, within each slice's length; the kernel touches nothing else.
+            let rc = unsafe {
+                match dir {
+                    Direction::Read => libc::preadv(
+                        file.as_raw_fd(),
+                        iovecs.as_ptr(),
+                        iovecs.len() as i32,
+                        offset,
+                    ),
+                    Direction::Write => libc::pwritev(
+                        file.as_raw_fd(),
+                        iovecs.as_ptr(),
+                        iovecs.len() as i32,
+                        offset,
+                    ),
+                }
+            };
+            if rc >= 0 {
+                return Ok(rc as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    #[cfg(target_os = "freebsd")]
+    pub fn deallocate(file: &File, _kind: ImageKind, offset: u64, len: u64) -> io::Result<()> {
+        /// SPACECTL_DEALLOC (sys/fcntl.h).
+        const SPACECTL_DEALLOC: libc::c_int = 1;
+        let (Ok(r_offset), Ok(r_len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len))
+        else {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        };
+        let mut range = libc::spacectl_range { r_offset, r_len };
+        // fspacectl may stop early and report the rest; bounded by the range shrinking.
+        while range.r_len > 0 {
+            let request = range;
+            // SAFETY: both pointers are valid spacectl_range structs for the call.
+            let rc = unsafe {
+                libc::fspacectl(file.as_raw_fd(), SPACECTL_DEALLOC, &request, 0, &mut range)
+            };
+            if rc < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if range.r_len >= request.r_len {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(not(target_os = "freebsd"))]
+    pub fn deallocate(_file: &File, _kind: ImageKind, _offset: u64, _len: u64) -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
+    }
+
+    pub fn zero_range(
+        file: &File,
+        kind: ImageKind,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+    ) -> io::Result<()> {
+        if unmap {
+            deallocate(file, kind, offset, len)
+        } else {
+            Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
+        }
+    }
+}

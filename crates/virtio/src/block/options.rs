@@ -1,0 +1,162 @@
+//! What the user says about a disk: `PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]`.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+/// Longest serial GET_ID can return (VIRTIO_BLK_ID_BYTES).
+pub const MAX_SERIAL_LEN: usize = 20;
+/// Most request queues a block device offers.
+pub const MAX_QUEUES: u16 = 16;
+
+/// How the host caches the image.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CacheMode {
+    /// Through the host page cache; FLUSH makes writes durable.
+    #[default]
+    Writeback,
+    /// O_DIRECT: around the host page cache (FLUSH still syncs the device's own cache).
+    None,
+}
+
+impl fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CacheMode::Writeback => "writeback",
+            CacheMode::None => "none",
+        })
+    }
+}
+
+impl FromStr for CacheMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "writeback" => Ok(CacheMode::Writeback),
+            "none" => Ok(CacheMode::None),
+            other => Err(format!("cache={other}: expected writeback or none")),
+        }
+    }
+}
+
+/// A virtio-blk device's configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockOptions {
+    /// A raw image: a regular file or a block device.
+    pub path: PathBuf,
+    pub readonly: bool,
+    /// Returned by GET_ID; at most [`MAX_SERIAL_LEN`] bytes.
+    pub serial: Option<String>,
+    pub cache: CacheMode,
+    /// Request queues, 1..=[`MAX_QUEUES`]; each is served by its own thread.
+    pub queues: u16,
+}
+
+impl BlockOptions {
+    /// A writable, write-back cached, single-queue disk without serial.
+    pub fn new(path: impl Into<PathBuf>) -> BlockOptions {
+        BlockOptions {
+            path: path.into(),
+            readonly: false,
+            serial: None,
+            cache: CacheMode::Writeback,
+            queues: 1,
+        }
+    }
+
+    /// Checks the values a parser or a caller may have got wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.path.as_os_str().is_empty() {
+            return Err("disk: empty path".into());
+        }
+        if let Some(serial) = &self.serial {
+            if serial.len() > MAX_SERIAL_LEN {
+                return Err(format!(
+                    "serial={serial}: {} bytes, at most {MAX_SERIAL_LEN}",
+                    serial.len()
+                ));
+            }
+        }
+        if !(1..=MAX_QUEUES).contains(&self.queues) {
+            return Err(format!(
+                "queues={}: expected 1 to {MAX_QUEUES}",
+                self.queues
+            ));
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, item: &str) -> Result<(), String> {
+        match item.split_once('=') {
+            None if item == "readonly" => self.readonly = true,
+            Some(("serial", value)) => self.serial = Some(value.to_string()),
+            Some(("cache", value)) => self.cache = value.parse()?,
+            Some(("queues", value)) => {
+                self.queues = value
+                    .parse()
+                    .map_err(|_| format!("queues={value}: not a number"))?
+            }
+            _ => {
+                return Err(format!(
+                    "disk option `{item}`: expected readonly, serial=S, cache=writeback|none or queues=N"
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for BlockOptions {
+    type Err = String;
+
+    /// Parses `PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut items = s.split(',');
+        let path = items.next().unwrap_or_default();
+        let mut options = BlockOptions::new(path);
+        for item in items {
+            options.apply(item)?;
+        }
+        options.validate()?;
+        Ok(options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_option() {
+        let o: BlockOptions = "/img,readonly,serial=abc,cache=none,queues=4"
+            .parse()
+            .unwrap();
+        assert_eq!(o.path, PathBuf::from("/img"));
+        assert!(o.readonly);
+        assert_eq!(o.serial.as_deref(), Some("abc"));
+        assert_eq!(o.cache, CacheMode::None);
+        assert_eq!(o.queues, 4);
+        assert_eq!(
+            "/img".parse::<BlockOptions>().unwrap(),
+            BlockOptions::new("/img")
+        );
+    }
+
+    #[test]
+    fn refuses_bad_values() {
+        for bad in [
+            "",
+            "/img,cache=always",
+            "/img,queues=0",
+            "/img,queues=17",
+            "/img,queues=x",
+            "/img,serial=123456789012345678901",
+            "/img,bogus",
+        ] {
+            assert!(bad.parse::<BlockOptions>().is_err(), "{bad} accepted");
+        }
+        assert!("/img,serial=12345678901234567890"
+            .parse::<BlockOptions>()
+            .is_ok());
+    }
+}

@@ -1,0 +1,684 @@
+//! The I/O thread a virtio device serves its queues on.
+//!
+//! A [`Worker`] owns one or more [`ActiveQueue`]s and a [`QueueHandler`] that turns one
+//! descriptor chain into one used entry. The thread sleeps in poll(2) on each queue's
+//! [`Waker`], on a control waker and on any extra wakers the handler names (input ready for a
+//! receive queue); poll(2) rather than epoll so that the same code runs on FreeBSD.
+//!
+//! Pause is cooperative and exact: the thread finishes the chain it is handling, writes its
+//! used entry, signals the driver, publishes the queue positions and parks;
+//! [`Worker::pause`] returns once it has parked, so the device is quiescent and
+//! [`Worker::queue_states`] is what a snapshot must record. Resume re-checks every queue, so
+//! work the driver queued meanwhile is served. Stop hands the queues back.
+//!
+//! Every wait of the controlling thread is bounded ([`QUIESCE_TIMEOUT`]): a worker stuck in a
+//! system call (a hung network file system) makes `pause` fail and `stop` give up on it
+//! rather than hang the VMM.
+
+use std::io;
+use std::os::unix::io::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use devices::exit::Waker;
+use devices::LifecycleError;
+use virtio_queue::{DescriptorChain, QueueState, QueueT};
+use vm_memory::GuestMemory;
+
+use crate::{ActiveQueue, Interrupt};
+
+/// How long `pause` and `stop` wait for a worker to finish the request in hand.
+pub const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Completions after which the driver is signalled even in the middle of a batch, so that a
+/// long batch does not hold back the first completions.
+const SIGNAL_BATCH: u32 = 16;
+
+/// What a device does with the chains of its queues.
+pub trait QueueHandler<M: GuestMemory>: Send + 'static {
+    /// Serves one descriptor chain taken from queue `queue` (its [`ActiveQueue::index`]);
+    /// returns the number of bytes written into the chain's device-writable buffers, the
+    /// used entry's length. Must not panic or block without bound on guest data.
+    fn handle(&mut self, mem: &M, queue: u16, chain: DescriptorChain<&M>) -> u32;
+
+    /// Whether a chain of `queue` can be served now. A receive queue says no while it has no
+    /// input: its chains stay in the available ring until an extra waker fires.
+    fn ready(&mut self, _queue: u16) -> bool {
+        true
+    }
+
+    /// Wakers besides the queues' own that make the worker re-check every queue.
+    fn extra_wakers(&self) -> Vec<Arc<Waker>> {
+        Vec::new()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Command {
+    Run,
+    Pause,
+    Stop,
+}
+
+struct Shared {
+    command: Command,
+    parked: bool,
+    exited: bool,
+    /// Queue positions published when the worker parked.
+    parked_states: Vec<(u16, QueueState)>,
+}
+
+/// What the controlling thread and the worker thread share.
+struct Control {
+    shared: Mutex<Shared>,
+    changed: Condvar,
+    /// Set with any command but Run: the worker stops taking chains.
+    yield_now: AtomicBool,
+    waker: Waker,
+}
+
+impl Control {
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn command(&self) -> Command {
+        self.lock().command
+    }
+
+    fn send(&self, command: Command) {
+        self.yield_now
+            .store(command != Command::Run, Ordering::SeqCst);
+        self.lock().command = command;
+        self.changed.notify_all();
+        if let Err(e) = self.waker.wake() {
+            log::error!("cannot wake a virtio worker: {e}");
+        }
+    }
+
+    /// Waits until `done` holds or the worker exits; false on timeout.
+    fn wait_for(&self, done: impl Fn(&Shared) -> bool) -> bool {
+        let deadline = Instant::now() + QUIESCE_TIMEOUT;
+        let mut shared = self.lock();
+        while !done(&shared) && !shared.exited {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            shared = match self.changed.wait_timeout(shared, left) {
+                Ok((guard, _)) => guard,
+                Err(e) => e.into_inner().0,
+            };
+        }
+        done(&shared)
+    }
+}
+
+/// Marks the worker exited however its thread ends (a panic included), so that nobody waits
+/// for a dead thread.
+struct ExitGuard(Arc<Control>);
+
+impl Drop for ExitGuard {
+    fn drop(&mut self) {
+        let mut shared = self.0.lock();
+        shared.exited = true;
+        shared.parked = false;
+        drop(shared);
+        self.0.changed.notify_all();
+    }
+}
+
+/// A running I/O thread; see the module documentation.
+pub struct Worker {
+    name: String,
+    control: Arc<Control>,
+    thread: Option<JoinHandle<Vec<ActiveQueue>>>,
+}
+
+/// How a worker starts.
+pub struct WorkerConfig<M> {
+    /// The thread's name (shown by `ps -T` and in logs).
+    pub name: String,
+    pub mem: Arc<M>,
+    pub queues: Vec<ActiveQueue>,
+    pub interrupt: Arc<dyn Interrupt>,
+    /// VIRTIO_F_RING_EVENT_IDX was negotiated.
+    pub event_idx: bool,
+    /// Start parked (a device activated while the machine is paused, e.g. on restore); the
+    /// first [`Worker::resume`] serves the queues.
+    pub start_paused: bool,
+}
+
+impl Worker {
+    /// Starts the thread.
+    pub fn spawn<M, H>(config: WorkerConfig<M>, handler: H) -> io::Result<Worker>
+    where
+        M: GuestMemory + Send + Sync + 'static,
+        H: QueueHandler<M>,
+    {
+        let initial = if config.start_paused {
+            Command::Pause
+        } else {
+            Command::Run
+        };
+        let control = Arc::new(Control {
+            shared: Mutex::new(Shared {
+                command: initial,
+                parked: false,
+                exited: false,
+                parked_states: Vec::new(),
+            }),
+            changed: Condvar::new(),
+            yield_now: AtomicBool::new(config.start_paused),
+            waker: Waker::new()?,
+        });
+        let name = config.name.clone();
+        let mut queues = config.queues;
+        for q in &mut queues {
+            q.queue.set_event_idx(config.event_idx);
+        }
+        let mut state = WorkerThread {
+            control: control.clone(),
+            mem: config.mem,
+            queues,
+            interrupt: config.interrupt,
+            extra: handler.extra_wakers(),
+            handler,
+        };
+        let thread = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                let _guard = ExitGuard(state.control.clone());
+                state.run();
+                state.queues
+            })?;
+        Ok(Worker {
+            name,
+            control,
+            thread: Some(thread),
+        })
+    }
+
+    /// Asks the worker to park without waiting; [`Worker::wait_paused`] waits. Pausing
+    /// several workers this way lets them drain in parallel.
+    pub fn request_pause(&self) {
+        if self.control.command() == Command::Run {
+            self.control.send(Command::Pause);
+        }
+    }
+
+    /// Waits until the worker has parked (its last request completed and signalled).
+    pub fn wait_paused(&self) -> Result<(), LifecycleError> {
+        if self.control.wait_for(|s| s.parked) {
+            return Ok(());
+        }
+        let why = if self.control.lock().exited {
+            "has stopped"
+        } else {
+            "did not finish its request in time"
+        };
+        Err(LifecycleError(format!("virtio worker {} {why}", self.name)))
+    }
+
+    /// Parks the worker: returns once the device is quiescent.
+    pub fn pause(&self) -> Result<(), LifecycleError> {
+        self.request_pause();
+        self.wait_paused()
+    }
+
+    /// Lets a parked worker run again; it re-checks every queue.
+    pub fn resume(&self) -> Result<(), LifecycleError> {
+        let shared = self.control.lock();
+        if shared.exited {
+            return Err(LifecycleError(format!(
+                "virtio worker {} has stopped",
+                self.name
+            )));
+        }
+        let paused = shared.command == Command::Pause;
+        drop(shared);
+        if paused {
+            self.control.send(Command::Run);
+        }
+        Ok(())
+    }
+
+    /// The queue positions as the worker left them when it parked (empty while it runs).
+    pub fn queue_states(&self) -> Vec<(u16, QueueState)> {
+        let shared = self.control.lock();
+        if shared.parked {
+            shared.parked_states.clone()
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Finishes the request in hand, ends the thread and returns its queues; an empty list if
+    /// the thread does not end within [`QUIESCE_TIMEOUT`] (it is then left behind).
+    pub fn stop(mut self) -> Vec<ActiveQueue> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Vec<ActiveQueue> {
+        let Some(thread) = self.thread.take() else {
+            return Vec::new();
+        };
+        self.control.send(Command::Stop);
+        if !self.control.wait_for(|s| s.exited) {
+            log::error!(
+                "virtio worker {} did not stop within {:?}; leaving it behind",
+                self.name,
+                QUIESCE_TIMEOUT
+            );
+            return Vec::new();
+        }
+        thread.join().unwrap_or_else(|_| {
+            log::error!("virtio worker {} panicked", self.name);
+            Vec::new()
+        })
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The worker thread's own state.
+struct WorkerThread<M, H> {
+    control: Arc<Control>,
+    mem: Arc<M>,
+    queues: Vec<ActiveQueue>,
+    interrupt: Arc<dyn Interrupt>,
+    extra: Vec<Arc<Waker>>,
+    handler: H,
+}
+
+impl<M, H> WorkerThread<M, H>
+where
+    M: GuestMemory + Send + Sync + 'static,
+    H: QueueHandler<M>,
+{
+    fn run(&mut self) {
+        // A restored queue may hold requests nobody will notify again.
+        if self.control.command() == Command::Run {
+            self.serve_all();
+        }
+        loop {
+            match self.control.command() {
+                Command::Stop => return,
+                Command::Pause => {
+                    self.park();
+                    continue;
+                }
+                Command::Run => {}
+            }
+            let ready = match self.wait_events() {
+                Ok(ready) => ready,
+                Err(e) => {
+                    log::error!("virtio worker poll failed, stopping: {e}");
+                    return;
+                }
+            };
+            self.dispatch(&ready);
+        }
+    }
+
+    /// Blocks in poll(2); returns the readiness of [control, queues..., extra...].
+    fn wait_events(&self) -> io::Result<Vec<bool>> {
+        let fds: Vec<RawFd> = std::iter::once(self.control.waker.poll_fd())
+            .chain(self.queues.iter().map(|q| q.notify.poll_fd()))
+            .chain(self.extra.iter().map(|w| w.poll_fd()))
+            .collect();
+        poll_readable(&fds)
+    }
+
+    fn dispatch(&mut self, ready: &[bool]) {
+        if ready.first() == Some(&true) {
+            self.control.waker.drain();
+        }
+        let queue_count = self.queues.len();
+        for slot in 0..queue_count {
+            if ready.get(slot + 1) == Some(&true) {
+                self.queues[slot].notify.drain();
+                self.serve(slot);
+            }
+        }
+        let mut extra_fired = false;
+        for (i, waker) in self.extra.iter().enumerate() {
+            if ready.get(1 + queue_count + i) == Some(&true) {
+                waker.drain();
+                extra_fired = true;
+            }
+        }
+        if extra_fired {
+            self.serve_all();
+        }
+    }
+
+    fn park(&mut self) {
+        let states = self
+            .queues
+            .iter()
+            .map(|q| (q.index, q.queue.state()))
+            .collect();
+        let mut shared = self.control.lock();
+        shared.parked_states = states;
+        shared.parked = true;
+        self.control.changed.notify_all();
+        while shared.command == Command::Pause {
+            shared = match self.control.changed.wait(shared) {
+                Ok(guard) => guard,
+                Err(e) => e.into_inner(),
+            };
+        }
+        shared.parked = false;
+        let run = shared.command == Command::Run;
+        drop(shared);
+        if run {
+            self.serve_all();
+        }
+    }
+
+    fn serve_all(&mut self) {
+        for slot in 0..self.queues.len() {
+            self.serve(slot);
+        }
+    }
+
+    /// Serves queue `slot` until it is empty, the handler cannot go on, or a command asks
+    /// the worker to yield; signals the driver for what it completed.
+    fn serve(&mut self, slot: usize) {
+        let mem = self.mem.clone();
+        let mem: &M = &mem;
+        let mut pending_signal = 0u32;
+        loop {
+            let queue = &mut self.queues[slot].queue;
+            if let Err(e) = queue.disable_notification(mem) {
+                log::warn!("virtio queue: cannot disable notifications: {e}");
+            }
+            let served = self.serve_available(slot, mem, &mut pending_signal);
+            if self.control.yield_now.load(Ordering::SeqCst) {
+                break;
+            }
+            let queue = &mut self.queues[slot].queue;
+            let more = queue.enable_notification(mem).unwrap_or(false);
+            // Without progress a bogus available index would make `more` true forever.
+            if !more || served == 0 {
+                break;
+            }
+        }
+        self.signal(slot, mem, &mut pending_signal);
+    }
+
+    /// Handles chains until none is left; returns how many it handled.
+    fn serve_available(&mut self, slot: usize, mem: &M, pending: &mut u32) -> u32 {
+        let mut served = 0;
+        while !self.control.yield_now.load(Ordering::SeqCst) {
+            let index = self.queues[slot].index;
+            if !self.handler.ready(index) {
+                break;
+            }
+            let Some(chain) = self.queues[slot].queue.pop_descriptor_chain(mem) else {
+                break;
+            };
+            let head = chain.head_index();
+            let len = self.handler.handle(mem, index, chain);
+            if let Err(e) = self.queues[slot].queue.add_used(mem, head, len) {
+                log::error!("virtio queue {index}: cannot add used entry: {e}");
+            }
+            served += 1;
+            *pending += 1;
+            if *pending >= SIGNAL_BATCH {
+                self.signal(slot, mem, pending);
+            }
+        }
+        served
+    }
+
+    fn signal(&mut self, slot: usize, mem: &M, pending: &mut u32) {
+        if *pending == 0 {
+            return;
+        }
+        *pending = 0;
+        let queue = &mut self.queues[slot];
+        if queue.queue.needs_notification(mem).unwrap_or(true) {
+            self.interrupt.signal_queue(queue.index);
+        }
+    }
+}
+
+/// poll(2) on `fds` for readability, without timeout; retries on EINTR.
+fn poll_readable(fds: &[RawFd]) -> io::Result<Vec<bool>> {
+    let mut pollfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        // SAFETY: `pollfds` is a valid array of `pollfds.len()` entries that outlives the call.
+        let rc = unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, -1) };
+        if rc >= 0 {
+            break;
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    let bad = libc::POLLERR | libc::POLLNVAL;
+    if let Some(p) = pollfds.iter().find(|p| p.revents & bad != 0) {
+        return Err(io::Error::other(format!(
+            "descriptor {} is invalid or in error",
+            p.fd
+        )));
+    }
+    Ok(pollfds
+        .iter()
+        .map(|p| p.revents & (libc::POLLIN | libc::POLLHUP) != 0)
+        .collect())
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::sync::atomic::AtomicU32;
+    use std::sync::mpsc;
+
+    use vm_memory::GuestMemoryMmap;
+
+    use super::*;
+    use crate::test_driver::{Buf, TestDriver};
+
+    /// Records what it handles; optionally blocks each request until released.
+    #[derive(Clone)]
+    struct Probe {
+        handled: Arc<Mutex<Vec<(u16, u16)>>>,
+        ready_calls: Arc<AtomicU32>,
+        open: Arc<AtomicBool>,
+        gate: Option<Arc<Mutex<mpsc::Receiver<()>>>>,
+        started: Option<mpsc::SyncSender<()>>,
+        extra: Vec<Arc<Waker>>,
+    }
+
+    impl Probe {
+        fn new() -> Probe {
+            Probe {
+                handled: Arc::default(),
+                ready_calls: Arc::default(),
+                open: Arc::new(AtomicBool::new(true)),
+                gate: None,
+                started: None,
+                extra: Vec::new(),
+            }
+        }
+        fn handled(&self) -> Vec<(u16, u16)> {
+            self.handled.lock().unwrap().clone()
+        }
+    }
+
+    impl QueueHandler<GuestMemoryMmap> for Probe {
+        fn handle(
+            &mut self,
+            _: &GuestMemoryMmap,
+            q: u16,
+            chain: DescriptorChain<&GuestMemoryMmap>,
+        ) -> u32 {
+            if let Some(started) = &self.started {
+                started.send(()).unwrap();
+            }
+            if let Some(gate) = &self.gate {
+                gate.lock().unwrap().recv().unwrap();
+            }
+            self.handled.lock().unwrap().push((q, chain.head_index()));
+            7
+        }
+        fn ready(&mut self, _: u16) -> bool {
+            self.ready_calls.fetch_add(1, Ordering::SeqCst);
+            self.open.load(Ordering::SeqCst)
+        }
+        fn extra_wakers(&self) -> Vec<Arc<Waker>> {
+            self.extra.clone()
+        }
+    }
+
+    fn spawn(driver: &TestDriver, probe: &Probe, start_paused: bool) -> Worker {
+        let config = WorkerConfig {
+            name: "test-worker".into(),
+            mem: driver.mem.clone(),
+            queues: driver.active_queues(),
+            interrupt: driver.interrupt(),
+            event_idx: false,
+            start_paused,
+        };
+        Worker::spawn(config, probe.clone()).unwrap()
+    }
+
+    fn one_buffer_chain(driver: &mut TestDriver, q: usize) -> u16 {
+        let buf = driver.alloc(64);
+        driver.add_chain(q, &[Buf::w(buf, 64)])
+    }
+
+    #[test]
+    fn serves_every_queue_and_signals() {
+        let mut driver = TestDriver::new(&[16, 16]);
+        let probe = Probe::new();
+        let worker = spawn(&driver, &probe, false);
+        let a = one_buffer_chain(&mut driver, 0);
+        let b = one_buffer_chain(&mut driver, 1);
+        driver.kick(0);
+        driver.kick(1);
+        assert_eq!(driver.wait_used(0, 1), vec![(u32::from(a), 7)]);
+        assert_eq!(driver.wait_used(1, 1), vec![(u32::from(b), 7)]);
+        driver.interrupt.wait_count(0, 1);
+        driver.interrupt.wait_count(1, 1);
+        let queues = worker.stop();
+        assert_eq!(queues.len(), 2);
+        assert_eq!(queues[0].queue.next_avail(), 1);
+        assert_eq!(queues[1].queue.next_used(), 1);
+    }
+
+    #[test]
+    fn pause_waits_for_the_request_in_hand_then_resume_serves_the_rest() {
+        let mut driver = TestDriver::new(&[16]);
+        let mut probe = Probe::new();
+        let (release, gate) = mpsc::channel();
+        let (started_tx, started) = mpsc::sync_channel(16);
+        probe.gate = Some(Arc::new(Mutex::new(gate)));
+        probe.started = Some(started_tx);
+        let worker = Arc::new(spawn(&driver, &probe, false));
+        one_buffer_chain(&mut driver, 0);
+        one_buffer_chain(&mut driver, 0);
+        driver.kick(0);
+        started.recv_timeout(Duration::from_secs(5)).unwrap();
+
+        let pauser = {
+            let worker = worker.clone();
+            std::thread::spawn(move || worker.pause())
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !pauser.is_finished(),
+            "pause returned with a request in flight"
+        );
+        release.send(()).unwrap();
+        pauser.join().unwrap().unwrap();
+        // The request in hand completed; the second stays in the ring.
+        assert_eq!(driver.wait_used(0, 1).len(), 1);
+        let states = worker.queue_states();
+        assert_eq!(states.len(), 1);
+        assert_eq!((states[0].1.next_avail, states[0].1.next_used), (1, 1));
+
+        one_buffer_chain(&mut driver, 0);
+        driver.kick(0);
+        driver.assert_no_used(0, Duration::from_millis(50));
+        release.send(()).unwrap();
+        release.send(()).unwrap();
+        worker.resume().unwrap();
+        assert_eq!(driver.wait_used(0, 2).len(), 2);
+        assert_eq!(probe.handled().len(), 3);
+    }
+
+    #[test]
+    fn started_paused_serves_nothing_until_resumed() {
+        let mut driver = TestDriver::new(&[16]);
+        let probe = Probe::new();
+        one_buffer_chain(&mut driver, 0);
+        let worker = spawn(&driver, &probe, true);
+        worker.wait_paused().unwrap();
+        driver.kick(0);
+        driver.assert_no_used(0, Duration::from_millis(50));
+        worker.resume().unwrap();
+        assert_eq!(driver.wait_used(0, 1).len(), 1);
+    }
+
+    #[test]
+    fn a_bogus_available_index_does_not_make_it_spin() {
+        let driver = TestDriver::new(&[16]);
+        let probe = Probe::new();
+        let worker = spawn(&driver, &probe, false);
+        driver.set_avail_idx(0, 1000);
+        driver.kick(0);
+        std::thread::sleep(Duration::from_millis(100));
+        let calls = probe.ready_calls.load(Ordering::SeqCst);
+        assert!(calls < 10, "worker spun: {calls} attempts");
+        assert_eq!(driver.used_idx(0), 0);
+        // It still obeys control requests.
+        worker.pause().unwrap();
+        assert_eq!(worker.stop().len(), 1);
+    }
+
+    #[test]
+    fn an_extra_waker_rechecks_queues_the_handler_was_not_ready_for() {
+        let mut driver = TestDriver::new(&[16]);
+        let mut probe = Probe::new();
+        let input = Arc::new(Waker::new().unwrap());
+        probe.extra = vec![input.clone()];
+        probe.open.store(false, Ordering::SeqCst);
+        let _worker = spawn(&driver, &probe, false);
+        one_buffer_chain(&mut driver, 0);
+        driver.kick(0);
+        driver.assert_no_used(0, Duration::from_millis(50));
+        probe.open.store(true, Ordering::SeqCst);
+        input.wake().unwrap();
+        assert_eq!(driver.wait_used(0, 1).len(), 1);
+    }
+
+    #[test]
+    fn stop_while_paused_returns_the_queues() {
+        let mut driver = TestDriver::new(&[16]);
+        let probe = Probe::new();
+        let worker = spawn(&driver, &probe, false);
+        one_buffer_chain(&mut driver, 0);
+        driver.kick(0);
+        driver.wait_used(0, 1);
+        worker.pause().unwrap();
+        let queues = worker.stop();
+        assert_eq!(queues[0].queue.next_used(), 1);
+    }
+}
