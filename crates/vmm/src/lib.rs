@@ -5,6 +5,7 @@ pub mod api;
 pub mod config;
 mod control;
 mod error;
+pub mod firmware;
 mod interrupts;
 mod machine;
 pub mod memory;

@@ -14,6 +14,7 @@ use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
 use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, SplitIrqChipHandle, NUM_PINS};
 use devices::pit::Pit;
+use devices::port92::Port92;
 use devices::rtc::Rtc;
 use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{
@@ -24,6 +25,7 @@ use crate::api::{Api, MachineInfo, SocketGuard};
 use crate::config::{ConsoleConfig, IrqChipKind, SerialOutput, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
+use crate::firmware;
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
 use crate::restore::RestoreOptions;
@@ -71,6 +73,9 @@ enum Start {
 }
 
 struct Machine {
+    /// The firmware ROM's mapping and the shadow RAM (firmware machines), kept while the VM
+    /// exists.
+    _firmware: Option<firmware::FirmwareMemory>,
     /// Memory (kept alive while the VM runs: the kernel maps it), the VM and the devices.
     core: Arc<Core>,
     start: Start,
@@ -115,8 +120,13 @@ impl Machine {
                 "split" => IrqChipKind::Split,
                 _ => IrqChipKind::Kernel,
             };
+            config.firmware = saved
+                .extra
+                .get(firmware::CONFIG_KEY)
+                .and_then(|identity| firmware::path_from_identity(identity));
         }
         let config = &config;
+        let rom = firmware::rom_for(config)?;
         if !config.disks.is_empty() || config.rng || config.console != ConsoleConfig::Serial {
             return Err(Error::Option {
                 option: "--disk/--rng/--console",
@@ -165,7 +175,13 @@ impl Machine {
         // RAM before the interrupt controllers: on some hosts registering memory slots after
         // KVM_CREATE_IRQCHIP costs milliseconds more (measured: 5–7 ms against 0.2 ms).
         let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
-        let regions = memory::map_into_vm(&vm, &guest_memory)?;
+        let (regions, firmware_memory) = match &rom {
+            Some(rom) => {
+                let (regions, fw) = firmware::map_memory(&vm, &guest_memory, rom)?;
+                (regions, Some(fw))
+            }
+            None => (memory::map_into_vm(&vm, &guest_memory)?, None),
+        };
         let extint = Arc::new(BspExtInt::default());
         let (irqchip, split): (Arc<dyn IrqChip>, Option<Arc<SplitIrqChip>>) = match config.irqchip {
             IrqChipKind::Kernel => {
@@ -202,6 +218,10 @@ impl Machine {
             // Restored or incoming RAM already holds the firmware tables and the kernel.
             None => None,
         };
+        let firmware_boot = config.start == StartFrom::Firmware;
+        if let (true, Some(rom)) = (firmware_boot, &rom) {
+            firmware::load_bios_alias(&guest_memory, rom)?;
+        }
 
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
@@ -213,7 +233,7 @@ impl Machine {
             &timer_wake,
             caps.rtc_in_kernel,
         )?;
-        if caps.rtc_in_kernel && entry.is_some() {
+        if caps.rtc_in_kernel && (entry.is_some() || firmware_boot) {
             // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
             // would write (a restore brings them back with the kernel's state instead).
             let (below_4g, above_4g) = ram_below_and_above_4g(config.memory);
@@ -238,10 +258,17 @@ impl Machine {
             IrqChipKind::Split => "split",
         };
         let guest_memory = Arc::new(guest_memory);
+        let mut migration_config =
+            snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions);
+        if let Some(rom) = &rom {
+            migration_config
+                .extra
+                .insert(firmware::CONFIG_KEY.into(), rom.identity());
+        }
         let core = Arc::new(Core {
             memory: guest_memory.clone(),
             vm: vm.clone(),
-            config: snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions),
+            config: migration_config,
             regions,
             control: context.control.clone(),
             devices: device_list,
@@ -278,6 +305,9 @@ impl Machine {
             if let (0, Some(entry)) = (id, &entry) {
                 set_boot_registers(vcpu.as_ref(), entry)?;
             }
+            if id == 0 && firmware_boot {
+                firmware::set_reset_registers(vcpu.as_ref())?;
+            }
             vcpus.push(vcpu);
         }
         let start = match (&config.start, incoming) {
@@ -293,6 +323,7 @@ impl Machine {
             _ => Start::Boot,
         };
         Ok(Machine {
+            _firmware: firmware_memory,
             core,
             vcpus,
             context,
@@ -548,6 +579,14 @@ fn build_buses(
     fw_cfg
         .add_file("etc/ferrovm/cmdline", config.cmdline.as_bytes().to_vec())
         .map_err(|e| Error::Devices(e.to_string()))?;
+    if config.firmware.is_some() {
+        // Boot order: filled in when the disks are on the PCI bus.
+        for (name, data) in firmware::fw_cfg_files(config.memory, &[]) {
+            fw_cfg
+                .add_file(name, data)
+                .map_err(|e| Error::Devices(e.to_string()))?;
+        }
+    }
     let fw_cfg = fw_cfg.register(&mut pio).map_err(devices_err)?;
     let acpi_pm = AcpiPm::new(exit.clone())
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
@@ -555,6 +594,16 @@ fn build_buses(
         .map_err(devices_err)?;
     // The interrupt controller last: restoring the others may drive its lines.
     let mut list: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
+    if config.firmware.is_some() {
+        // Fast A20 and reset: BIOS code and boot loaders use it.
+        let port92 = Port92::new(exit.clone())
+            .register(&mut pio)
+            .map_err(devices_err)?;
+        list.push(port92);
+        devices::debugcon::DebugCon::default()
+            .register(&mut pio)
+            .map_err(devices_err)?;
+    }
     list.extend(pit.iter().map(|d| d.clone() as SharedDevice));
     list.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
     if let Some(chip) = split {

@@ -104,7 +104,7 @@ pub fn create_guest_memory(size: u64, wired: bool) -> Result<GuestMemory> {
 }
 
 #[cfg(target_os = "linux")]
-fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
+pub(crate) fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
     // MAP_NORESERVE: a large guest costs only the pages it touches.
     let mapping = vm_memory::mmap::MmapRegionBuilder::new(len)
         .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
@@ -118,7 +118,7 @@ fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
 /// FreeBSD overcommits anonymous memory (and has no MAP_NORESERVE): a large guest costs only
 /// the pages it touches.
 #[cfg(not(target_os = "linux"))]
-fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
+pub(crate) fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
     AnonRegion::new(base, len).map_err(|e| {
         Error::Memory(format!(
             "mapping {} MiB at {:#x}: {e}",
