@@ -641,6 +641,12 @@ impl PciBus {
         Ok(())
     }
 
+    /// [`Lifecycle::restore`] through a shared reference, for a bus the machine holds in
+    /// an `Arc`.
+    pub fn restore_saved(&self, state: &DeviceState) -> Result<(), StateError> {
+        self.restore_state(&state.parse("pci-bus", STATE_VERSION)?)
+    }
+
     /// Puts every BAR back where [`PciBus::add_device_at`] placed it, with the command
     /// bits it set, as firmware does after a reset.
     pub fn reset_placements(&self) {
@@ -698,7 +704,7 @@ impl Lifecycle for PciBus {
     }
 
     fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
-        self.restore_state(&state.parse("pci-bus", STATE_VERSION)?)
+        self.restore_saved(state)
     }
 
     fn reset(&mut self) {

@@ -19,6 +19,7 @@ use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{
     open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
 };
+use pci::{HostBridge, PciBus, PciLayout, Window};
 
 use crate::api::{Api, MachineInfo, SocketGuard};
 use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
@@ -28,7 +29,7 @@ use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
 use crate::restore::RestoreOptions;
 use crate::snapshot::{self, Core};
-use crate::state::DeviceHandles;
+use crate::state::{DeviceHandles, PciHandles};
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 
@@ -539,6 +540,7 @@ fn build_buses(
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
+    let pci = build_pci(config.memory, &mut pio, &mut mmio)?;
     let handles = DeviceHandles {
         serial,
         i8042,
@@ -547,6 +549,7 @@ fn build_buses(
         rtc: rtc.clone(),
         pit: pit.clone(),
         split: split.cloned(),
+        pci,
     };
     let timers = TimerDevices {
         pit,
@@ -555,6 +558,30 @@ fn build_buses(
         wake: timer_wake.clone(),
     };
     Ok((pio, mmio, timers, handles))
+}
+
+/// The PCI platform of every machine: bus 0 with the host bridge in slot 0, configuration
+/// mechanism #1 and the I/O BAR window on `pio`, ECAM and the memory BAR windows on `mmio`,
+/// in the windows `boot::layout` fixes (and the firmware tables describe). Functions are
+/// added with `PciBus::add_device` through the returned handle before the vCPUs start.
+fn build_pci(memory: u64, pio: &mut Bus, mmio: &mut Bus) -> Result<PciHandles> {
+    use boot::layout::{
+        pci_mmio64_start, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_IO_SIZE, PCI_IO_START,
+        PCI_MMIO32_SIZE, PCI_MMIO32_START, PCI_MMIO64_SIZE,
+    };
+    let pci_err = |e: pci::PciError| Error::Devices(e.to_string());
+    let layout = PciLayout {
+        ecam: Window::new(PCI_ECAM_START, PCI_ECAM_SIZE),
+        mmio32: Window::new(PCI_MMIO32_START, PCI_MMIO32_SIZE),
+        mmio64: Window::new(pci_mmio64_start(memory), PCI_MMIO64_SIZE),
+        io: Window::new(PCI_IO_START, PCI_IO_SIZE),
+    };
+    let bus = Arc::new(PciBus::new(layout).map_err(pci_err)?);
+    let host_bridge = Arc::new(std::sync::Mutex::new(HostBridge::new()));
+    bus.add_device_at(0, host_bridge.clone()).map_err(pci_err)?;
+    bus.register(pio, mmio)
+        .map_err(|e| Error::Devices(format!("PCI: {e}")))?;
+    Ok(PciHandles { bus, host_bridge })
 }
 
 /// Register state for a 32-bit flat protected-mode entry with paging off, which every boot

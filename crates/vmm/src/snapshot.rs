@@ -101,7 +101,7 @@ impl Core {
                 None
             },
             clock: self.vm.clock()?,
-            devices: self.devices.save(),
+            devices: self.devices.save()?,
         })
     }
 }

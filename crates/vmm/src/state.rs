@@ -10,7 +10,9 @@ use devices::irqchip::{SplitIrqChip, SplitIrqChipState};
 use devices::pit::{Pit, PitState};
 use devices::rtc::{Rtc, RtcState};
 use devices::serial::{SerialDevice, SerialState};
+use devices::{DeviceState, Lifecycle};
 use hypervisor::{ClockData, IrqChipState, VcpuState, Vm};
+use pci::{HostBridge, PciBus};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -27,6 +29,8 @@ pub struct DeviceHandles {
     /// Split irqchip mode only.
     pub pit: Option<Arc<Mutex<Pit>>>,
     pub split: Option<Arc<SplitIrqChip>>,
+    /// The PCI platform (see [`PciHandles`]).
+    pub pci: PciHandles,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -40,6 +44,9 @@ pub struct DevicesState {
     pub rtc: Option<RtcState>,
     pub pit: Option<PitState>,
     pub split_irqchip: Option<SplitIrqChipState>,
+    /// Absent in snapshots from before the PCI platform: it then stays as built.
+    #[serde(default)]
+    pub pci: Option<PciState>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -74,9 +81,46 @@ fn restore_if_present<D, S>(
     }
 }
 
+// ---- PCI platform: its Lifecycle objects, saved and restored in this order ----
+
+/// The PCI bus and its host bridge. Functions added later save their own state; the bus
+/// records BAR placements and command registers and is restored after them.
+#[derive(Clone)]
+pub struct PciHandles {
+    pub bus: Arc<PciBus>,
+    pub host_bridge: Arc<Mutex<HostBridge>>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PciState {
+    pub host_bridge: DeviceState,
+    pub bus: DeviceState,
+}
+
+impl PciHandles {
+    fn save(&self) -> Result<PciState> {
+        let err = |e: devices::LifecycleError| Error::State(format!("PCI: {e}"));
+        Ok(PciState {
+            host_bridge: lock(&self.host_bridge).save().map_err(err)?,
+            bus: self.bus.save().map_err(err)?,
+        })
+    }
+
+    fn restore(&self, state: &PciState) -> Result<()> {
+        lock(&self.host_bridge)
+            .restore(&state.host_bridge)
+            .map_err(|e| restore_err("PCI host bridge", e))?;
+        self.bus
+            .restore_saved(&state.bus)
+            .map_err(|e| restore_err("PCI bus", e))
+    }
+}
+
+// ---- end of PCI platform ----
+
 impl DeviceHandles {
-    pub fn save(&self) -> DevicesState {
-        DevicesState {
+    pub fn save(&self) -> Result<DevicesState> {
+        Ok(DevicesState {
             serial: lock(&self.serial).state(),
             i8042: lock(&self.i8042).state(),
             fw_cfg: lock(&self.fw_cfg).state(),
@@ -84,7 +128,8 @@ impl DeviceHandles {
             rtc: self.rtc.as_ref().map(|r| lock(r).state()),
             pit: self.pit.as_ref().map(|p| lock(p).state()),
             split_irqchip: self.split.as_ref().map(|s| s.state()),
-        }
+            pci: Some(self.pci.save()?),
+        })
     }
 
     pub fn restore(&self, state: &DevicesState) -> Result<()> {
@@ -118,6 +163,9 @@ impl DeviceHandles {
             "the state is from another irqchip mode",
             |chip, s| chip.restore(s).map_err(|e| restore_err("irqchip", e)),
         )?;
+        if let Some(pci) = &state.pci {
+            self.pci.restore(pci)?;
+        }
         Ok(())
     }
 }
