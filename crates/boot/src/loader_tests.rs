@@ -176,8 +176,8 @@ fn pvh_5g_layout() {
     assert_eq!(be.protocol, BootProtocol::Pvh);
     assert_eq!(read_bytes(&mem, 4 * GIB + 0x1000, 64), pattern(64, 3));
     let si: hvm_start_info = mem.read_obj(GuestAddress(0x7000)).unwrap();
-    assert_eq!(si.memmap_entries, 6);
-    let last: hvm_memmap_table_entry = mem.read_obj(GuestAddress(0x9000 + 24 * 5)).unwrap();
+    assert_eq!(si.memmap_entries, 7);
+    let last: hvm_memmap_table_entry = mem.read_obj(GuestAddress(0x9000 + 24 * 6)).unwrap();
     assert_eq!((last.addr, last.size, last.type_), (4 * GIB, 2 * GIB, 1));
     // The initrd goes to the top of RAM below the hole.
     let (addr, len) = be.initrd.unwrap();
@@ -473,7 +473,7 @@ fn bzimage_not_relocatable_loads_at_1m_and_old_header_not_overcopied() {
         &zp[0x264..0x26c]
     );
     assert!(zp[..0x1e8].iter().all(|&b| b == 0));
-    assert_eq!(zp[0x1e8], 5); // e820_entries
+    assert_eq!(zp[0x1e8], 6); // e820_entries
     let bp: boot_params = mem.read_obj(GuestAddress(0x7000)).unwrap();
     assert_eq!({ bp.hdr.ramdisk_image }, 0);
     assert_eq!({ bp.hdr.code32_start }, 0x10_0000);
@@ -495,8 +495,8 @@ fn bzimage_rsdp_and_5g_initrd_below_initrd_addr_max() {
     let be = load_kernel_with_config(&mem, &mut k, Some(&mut initrd), &config).unwrap();
     let bp: boot_params = mem.read_obj(GuestAddress(0x7000)).unwrap();
     assert_eq!({ bp.acpi_rsdp_addr }, 0xf0000);
-    assert_eq!(bp.e820_entries, 6);
-    let last = bp.e820_table[5];
+    assert_eq!(bp.e820_entries, 7);
+    let last = bp.e820_table[6];
     assert_eq!(
         ({ last.addr }, { last.size }, { last.r#type }),
         (4 * GIB, 2 * GIB, 1)

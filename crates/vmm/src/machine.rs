@@ -4,7 +4,7 @@ use std::fs::File;
 use std::net::TcpListener;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use devices::acpi_pm::AcpiPm;
 use devices::bus::{Bus, IoDispatcher};
@@ -12,25 +12,28 @@ use devices::debug_exit::DebugExit;
 use devices::exit::{ExitReason, ExitRequest, Waker};
 use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
-use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, SplitIrqChipHandle, NUM_PINS};
+use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
 use devices::pit::Pit;
 use devices::rtc::Rtc;
 use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{
     open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
 };
+use pci::{HostBridge, PciBus, PciLayout, Window};
 
 use crate::api::{Api, MachineInfo, SocketGuard};
-use crate::config::{ConsoleConfig, IrqChipKind, SerialOutput, StartFrom, VmConfig};
+use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
+use crate::platform::{add_virtio_devices, PciHandles, PlatformDevices, VirtioContext};
 use crate::restore::RestoreOptions;
 use crate::snapshot::{self, Core};
-use crate::state::{DeviceList, SharedDevice};
+use crate::state::SharedDevice;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
+use pci::IntxRouter;
 
 /// The ACPI SCI line, as the FADT and MADT advertise it.
 const ACPI_SCI_IRQ: u32 = 9;
@@ -117,13 +120,6 @@ impl Machine {
             };
         }
         let config = &config;
-        if !config.disks.is_empty() || config.rng || config.console != ConsoleConfig::Serial {
-            return Err(Error::Option {
-                option: "--disk/--rng/--console",
-                value: String::new(),
-                reason: "virtio devices are not supported yet".into(),
-            });
-        }
         memory::validate_size(config.memory, &config.memory_text)?;
         let mut kernel = match &config.start {
             StartFrom::Kernel(path) => Some(open_kernel(config, path)?),
@@ -205,7 +201,8 @@ impl Machine {
 
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
-        let (pio, mmio, timers, device_list) = build_buses(
+        let guest_memory = Arc::new(guest_memory);
+        let (pio, mmio, timers, platform) = build_buses(
             config,
             &exit,
             &irqchip,
@@ -213,6 +210,16 @@ impl Machine {
             &timer_wake,
             caps.rtc_in_kernel,
         )?;
+        let functions = add_virtio_devices(
+            config,
+            &VirtioContext {
+                vm: &vm,
+                caps: &caps,
+                memory: &guest_memory,
+                pci: &platform.pci,
+            },
+        )?;
+        let device_list = platform.into_list(functions)?;
         if caps.rtc_in_kernel && entry.is_some() {
             // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
             // would write (a restore brings them back with the kernel's state instead).
@@ -237,7 +244,6 @@ impl Machine {
             IrqChipKind::Kernel => "kernel",
             IrqChipKind::Split => "split",
         };
-        let guest_memory = Arc::new(guest_memory);
         let core = Arc::new(Core {
             memory: guest_memory.clone(),
             vm: vm.clone(),
@@ -502,7 +508,7 @@ fn build_buses(
     split: Option<&Arc<SplitIrqChip>>,
     timer_wake: &Arc<TimerWake>,
     rtc_in_kernel: bool,
-) -> Result<(Bus, Bus, TimerDevices, DeviceList)> {
+) -> Result<(Bus, Bus, TimerDevices, PlatformDevices)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
@@ -553,17 +559,15 @@ fn build_buses(
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
-    // The interrupt controller last: restoring the others may drive its lines.
-    let mut list: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
-    list.extend(pit.iter().map(|d| d.clone() as SharedDevice));
-    list.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
-    if let Some(chip) = split {
-        list.push(Arc::new(Mutex::new(SplitIrqChipHandle(chip.clone()))));
-    }
-    let mut devices = DeviceList::default();
-    for device in list {
-        devices.add(device)?;
-    }
+    let pci = build_pci(config.memory, irqchip, &mut pio, &mut mmio)?;
+    let mut legacy: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
+    legacy.extend(pit.iter().map(|d| d.clone() as SharedDevice));
+    legacy.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
+    let devices = PlatformDevices {
+        legacy,
+        pci,
+        split: split.cloned(),
+    };
     let timers = TimerDevices {
         pit,
         rtc,
@@ -572,6 +576,39 @@ fn build_buses(
         gate: Arc::default(),
     };
     Ok((pio, mmio, timers, devices))
+}
+
+/// The PCI platform of every machine: bus 0 with the host bridge in slot 0, configuration
+/// mechanism #1 and the I/O BAR window on `pio`, ECAM and the memory BAR windows on `mmio`,
+/// in the windows `boot::layout` fixes (and the firmware tables describe). Functions are
+/// added with `PciBus::add_device` through the returned handle before the vCPUs start.
+fn build_pci(
+    memory: u64,
+    irqchip: &Arc<dyn IrqChip>,
+    pio: &mut Bus,
+    mmio: &mut Bus,
+) -> Result<PciHandles> {
+    use boot::layout::{
+        pci_mmio64_start, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_IO_SIZE, PCI_IO_START,
+        PCI_MMIO32_SIZE, PCI_MMIO32_START, PCI_MMIO64_SIZE,
+    };
+    let pci_err = |e: pci::PciError| Error::Devices(e.to_string());
+    let layout = PciLayout {
+        ecam: Window::new(PCI_ECAM_START, PCI_ECAM_SIZE),
+        mmio32: Window::new(PCI_MMIO32_START, PCI_MMIO32_SIZE),
+        mmio64: Window::new(pci_mmio64_start(memory), PCI_MMIO64_SIZE),
+        io: Window::new(PCI_IO_START, PCI_IO_SIZE),
+    };
+    let bus = Arc::new(PciBus::new(layout).map_err(pci_err)?);
+    let host_bridge = Arc::new(std::sync::Mutex::new(HostBridge::new()));
+    bus.add_device_at(0, host_bridge.clone()).map_err(pci_err)?;
+    bus.register(pio, mmio)
+        .map_err(|e| Error::Devices(format!("PCI: {e}")))?;
+    Ok(PciHandles {
+        bus,
+        host_bridge,
+        intx: IntxRouter::new(irqchip.clone()),
+    })
 }
 
 /// Register state for a 32-bit flat protected-mode entry with paging off, which every boot

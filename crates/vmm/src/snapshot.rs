@@ -135,6 +135,7 @@ impl Core {
             },
             clock: self.vm.clock()?,
             devices: self.devices.save()?,
+            predates_pci: false,
         })
     }
 }
@@ -278,6 +279,7 @@ impl MachineOps for Core {
                 vm: self.vm.clone(),
                 regions: self.regions.clone(),
                 manual_protect: &self.manual_protect,
+                memory: &self.memory,
             };
             &mut live_dirty
         };
@@ -332,6 +334,8 @@ struct VmDirty<'a> {
     vm: Arc<dyn Vm>,
     regions: Vec<MemoryRegion>,
     manual_protect: &'a std::sync::OnceLock<bool>,
+    /// Guest RAM as the VMM's devices write it, with their dirty bitmaps.
+    memory: &'a GuestMemory,
 }
 
 fn vm_error(context: &str, e: impl std::fmt::Display) -> migration::Error {
@@ -367,10 +371,11 @@ impl DirtySource for VmDirty<'_> {
         let mut words = Vec::with_capacity(self.regions.len());
         let manual = self.manual_protect.get().copied().unwrap_or(false);
         for r in &self.regions {
-            let bits = self.vm.dirty_log(r.slot, r.size).map_err(to_mig)?;
+            let mut bits = self.vm.dirty_log(r.slot, r.size).map_err(to_mig)?;
             if manual {
                 self.vm.clear_dirty_pages(r.slot, &bits).map_err(to_mig)?;
             }
+            add_device_writes(self.memory, r.guest_addr, &mut bits);
             words.push(bits);
         }
         Ok(Bitmap::from_words(words))
@@ -384,6 +389,26 @@ impl DirtySource for VmDirty<'_> {
         }
     }
 }
+
+/// ORs into `bits` (KVM's log of the region at `guest_addr`) the pages the VMM's own devices
+/// wrote since the last call, and clears those. Both bitmaps have one bit per 4 KiB page from
+/// the region's start.
+#[cfg(target_os = "linux")]
+fn add_device_writes(memory: &GuestMemory, guest_addr: u64, bits: &mut [u64]) {
+    use vm_memory::bitmap::AtomicBitmap;
+    use vm_memory::{GuestAddress, GuestMemoryBackend, MmapRegion};
+    let Some(region) = memory.find_region(GuestAddress(guest_addr)) else {
+        return;
+    };
+    let mapping: &MmapRegion<AtomicBitmap> = region;
+    for (word, device) in bits.iter_mut().zip(mapping.bitmap().get_and_reset()) {
+        *word |= device;
+    }
+}
+
+/// Elsewhere there is no dirty log to complete (live migration needs one).
+#[cfg(not(target_os = "linux"))]
+fn add_device_writes(_memory: &GuestMemory, _guest_addr: u64, _bits: &mut [u64]) {}
 
 /// Warm migration: the guest is paused before the first page is sent, so nothing changes.
 struct NothingDirty {
