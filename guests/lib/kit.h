@@ -734,6 +734,11 @@ void virtq_irq_enable(struct virtq *q, bool on);
  * without its interrupt after 1 s counts in q->missed_irqs.  Returns 1 when
  * something is used, 0 on timeout, -1 if the device set NEEDS_RESET. */
 int virtq_wait(struct virtq *q, u64 timeout_us);
+/* virtq_add, virtq_kick and virtq_wait for one chain until it is used:
+ * 1 (written length in *len), 0 on timeout, -1 if the device set
+ * NEEDS_RESET.  Fails the guest if another chain completes first. */
+int virtq_sync(struct virtq *q, const struct vbuf *bufs, unsigned n_out, unsigned n_in, u32 *len,
+	       u64 timeout_us);
 /* Raw ring access for tests that build chains by hand: the descriptor
  * table, and publishing a head without the free list (virtq_add's
  * bookkeeping is bypassed: reset the device before using virtq_add again). */

@@ -576,3 +576,19 @@ bool virtq_get_raw(struct virtq *q, struct virtq_used_elem *e)
 	q->last_used++;
 	return true;
 }
+
+int virtq_sync(struct virtq *q, const struct vbuf *bufs, unsigned n_out, unsigned n_in, u32 *len,
+	       u64 timeout_us)
+{
+	static u8 token;
+	if (virtq_add(q, bufs, n_out, n_in, &token) < 0)
+		fail("virtq %u: no room for a %u-buffer chain", q->index, n_out + n_in);
+	virtq_kick(q);
+	int w = virtq_wait(q, timeout_us);
+	if (w <= 0)
+		return w;
+	void *t = virtq_get(q, len);
+	if (t != &token)
+		fail("virtq %u: an unexpected chain completed", q->index);
+	return 1;
+}
