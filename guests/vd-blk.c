@@ -7,7 +7,8 @@
  * (compared with `serial=` when given); `ro=1` expects the write refused
  * with IOERR instead.  With a virtio-rng device its VirtIORng reads twice,
  * expecting data that is not constant and differs.  This file only finds
- * the ECAM base from the ACPI MCFG and calls the Rust entry at CPL 3.
+ * the ECAM base from the ACPI MCFG (or `ecam=`), places unassigned BARs with
+ * `pci_assign=1` (no firmware), and calls the Rust entry at CPL 3.
  * Output lines start with "vd-blk: "; the crate's warnings with
  * "virtio-drivers: ".
  */
@@ -19,11 +20,14 @@ const char *vd_blk_main(u64 ecam_base);
 static u64 ring3(u64 arg)
 {
 	(void)arg;
-	u64 base;
-	u8 first, last;
-	if (!pci_ecam_lookup(&base, &first, &last))
-		fail("no MCFG: the virtio-drivers guest needs ECAM");
-	printf("vd-blk: ECAM at 0x%lx, buses %u-%u (MCFG)\n", base, first, last);
+	if (pci_init(PCI_MECH_ECAM) != PCI_MECH_ECAM)
+		fail("no MCFG (nor ecam=): the virtio-drivers guest needs ECAM");
+	u64 base = pci_ecam_base();
+	printf("vd-blk: ECAM at 0x%lx\n", base);
+	if (cmdline_uint("pci_assign", 0)) {	/* no firmware: the crate needs BARs placed */
+		pci_scan();
+		pci_assign_unassigned();
+	}
 	const char *reason = vd_blk_main(base);
 	if (reason)
 		fail("virtio-drivers-blk: %s", reason);

@@ -490,7 +490,8 @@ struct pci_dev {
 /* Finds the ECAM base of segment 0 / bus 0 in the MCFG; false if none. */
 bool pci_ecam_lookup(u64 *base, u8 *bus_start, u8 *bus_end);
 /* Chooses the access mechanism for the pci_cfg_* calls: PCI_MECH_ECAM if the
- * MCFG declares one and `prefer` allows it, else CF8.  Returns the one chosen.
+ * MCFG declares one (or the command line gives "ecam=ADDR", for platforms
+ * without an MCFG) and `prefer` allows it, else CF8.  Returns the one chosen.
  * pci_cfg_* without pci_init() use CF8. */
 int pci_init(int prefer);
 int pci_mech(void);
@@ -665,6 +666,9 @@ struct pci_dev *virtio_find(u32 type, unsigned nth);
  * function of `type` probed; prints one line about it.  false and a
  * message if there is none or the probe fails. */
 bool virtio_open(struct virtio_dev *vd, u32 type, unsigned nth);
+/* pci_assign_bars() for every function of the last pci_scan(), in the ferrovm
+ * windows above; prints what it assigned. */
+void pci_assign_unassigned(void);
 /* Finds the vendor capabilities, maps them through their BARs (BARs must
  * be assigned; see pci_assign_bars), enables memory decode and bus
  * mastering, probes MSI-X.  Does not touch the device status.  false and a

@@ -135,6 +135,9 @@ int pci_init(int prefer)
 	ecam_base = 0;
 	if (!pci_ecam_lookup(&ecam_base, &s, &e) || ecam_base >= (4ULL << 30))
 		ecam_base = 0;
+	u64 forced;
+	if (cmdline_find_uint("ecam", &forced) && forced < (4ULL << 30))
+		ecam_base = forced;	/* platforms without an MCFG (QEMU microvm) */
 	mech = (prefer == PCI_MECH_ECAM && ecam_base) ? PCI_MECH_ECAM : PCI_MECH_CF8;
 	return mech;
 }

@@ -66,10 +66,12 @@ static bool map_cap(struct pci_dev *pd, u8 cap, volatile u8 **ptr, u32 *len)
 	u32 length = pci_cfg_read32(pd->bdf, cap + 12);
 	volatile void *p = pci_bar_ptr(pd, bar, off, length);
 	if (!p) {
+		bool unassigned = bar < 6 && pd->bar[bar].size && !pd->bar[bar].addr;
 		printf("virtio: capability at 0x%x (type %u): BAR %u +0x%x len 0x%x not mapped "
-		       "(BAR %s addr 0x%lx size 0x%lx)\n", cap, pci_cfg_read8(pd->bdf, cap + 3), bar,
+		       "(BAR %s addr 0x%lx size 0x%lx)%s\n", cap, pci_cfg_read8(pd->bdf, cap + 3), bar,
 		       off, length, bar < 6 ? pci_bar_kind_name(pd->bar[bar].kind) : "?",
-		       bar < 6 ? pd->bar[bar].addr : 0, bar < 6 ? pd->bar[bar].size : 0);
+		       bar < 6 ? pd->bar[bar].addr : 0, bar < 6 ? pd->bar[bar].size : 0,
+		       unassigned ? ": unassigned, pci_assign=1 places BARs" : "");
 		return false;
 	}
 	*ptr = p;
@@ -109,7 +111,7 @@ bool virtio_probe(struct virtio_dev *vd, struct pci_dev *pd)
 	return true;
 }
 
-static void assign_unassigned_bars(void)
+void pci_assign_unassigned(void)
 {
 	for (int i = 0; i < pci_count(); i++) {
 		struct pci_dev *d = pci_get(i);
@@ -147,11 +149,12 @@ bool virtio_open(struct virtio_dev *vd, u32 type, unsigned nth)
 	pci_init(cf8 ? PCI_MECH_CF8 : PCI_MECH_ECAM);
 	pci_scan();
 	if (cmdline_uint("pci_assign", 0))
-		assign_unassigned_bars();
+		pci_assign_unassigned();
 	struct pci_dev *pd = virtio_find(type, nth);
 	if (!pd) {
-		printf("virtio: no device of type %u (#%u) among %d PCI functions\n", type, nth,
-		       pci_count());
+		printf("virtio: no device of type %u (#%u) among %d PCI functions (RSDP 0x%lx, "
+		       "ECAM 0x%lx, config via %s)\n", type, nth, pci_count(), acpi_rsdp(),
+		       pci_ecam_base(), pci_mech() == PCI_MECH_ECAM ? "ECAM" : "CF8");
 		return false;
 	}
 	if (!virtio_probe(vd, pd))
