@@ -33,6 +33,7 @@
 #define READ_SECTORS	8
 #define SCRATCH_SECTOR	64		/* writes of the cases land here, if anywhere */
 #define LONG_PIECE	16		/* bytes per data descriptor in the long chain */
+#define LONG_MAX_PIECES	4096		/* 1-byte pieces of 8 sectors; the table has room */
 
 /* What a case allows besides hanging (never allowed). */
 #define A_IOERR		0x01
@@ -140,6 +141,8 @@ static u16 c_long_indirect(struct virtq *q, struct bufs *x)
 	u32 pieces = READ_SECTORS * BLK_SECTOR / LONG_PIECE;	/* 256 */
 	if (pieces < q->size)
 		pieces = q->size;	/* at least the queue size of data alone */
+	if (pieces > LONG_MAX_PIECES)
+		fail("long-indirect: queue size %u is beyond this test's %u", q->size, LONG_MAX_PIECES);
 	struct virtq_desc *t = x->table;
 	hdr(VIRTIO_BLK_T_IN, 0);
 	t[0] = (struct virtq_desc){ (u64)b.hdr, sizeof(*b.hdr), R | N, 1 };
@@ -459,7 +462,7 @@ static u64 work(u64 arg)
 	b.hdr = dma_alloc(sizeof(*b.hdr), 64);
 	b.status = dma_alloc(64, 64);
 	b.data = dma_alloc(READ_SECTORS * BLK_SECTOR, 4096);
-	b.table = dma_alloc(16 * 4098, 4096);
+	b.table = dma_alloc(16 * (LONG_MAX_PIECES + 2), 4096);
 	good = dma_alloc(GOOD_SECTORS * BLK_SECTOR, 4096);
 	if (!start_device())
 		fail("virtio-blk start-up failed");

@@ -17,8 +17,9 @@
  * `irq=0` or without MSI-X.  Every completion awaited by interrupt must have
  * had one.  Other parameters: `indirect=0` / `event_idx=0` refuse those
  * features, `qsize=` limits the queue, `capacity=` expected sectors,
- * `pci=cf8` configuration through ports instead of ECAM, `timeout_ms=5000`
- * per request.
+ * `pci=cf8` configuration through ports instead of ECAM (where both exist,
+ * the header registers of every function must read the same both ways),
+ * `timeout_ms=5000` per request.
  */
 #include "kit.h"
 
@@ -250,6 +251,11 @@ static void start_device(bool ro)
 	if (!blk_start(&blk, features_wanted(ro), 1, (u16)cmdline_uint("qsize", 0),
 		       cmdline_uint("irq", 1), NULL, VECTOR_BASE))
 		fail("virtio-blk start-up failed");
+	int fns = 0, diff = pci_compare_mechanisms(&fns);
+	if (diff > 0)
+		fail("CF8 and ECAM disagree on %d registers", diff);
+	if (diff == 0)
+		printf("blk-rw: CF8 and ECAM agree on %d functions\n", fns);
 	q = blk.q[0];
 	u32 bs = virtio_has(&blk.vd, VIRTIO_BLK_F_BLK_SIZE) ?
 		 virtio_cfg_read32(&blk.vd, VIRTIO_BLK_CFG_BLK_SIZE) : 512;

@@ -386,7 +386,7 @@ static u64 setup(u64 arg)
 	u32 apic[MAX_QUEUES];
 	unsigned w = ncpu < want_q ? ncpu : want_q;
 	for (unsigned qi = 0; qi < want_q; qi++)
-		apic[qi] = cpu_apic_id(qi % w);
+		apic[qi] = ncpu > 1 ? cpu_apic_id(qi % w) : lapic_id();
 	if (!blk_start(&blk, wanted, want_q, 0, cmdline_uint("irq", 1), apic, VECTOR_BASE))
 		fail("virtio-blk start-up failed");
 	nq = blk.nq;

@@ -508,6 +508,11 @@ u32 pci_cf8_read32(u16 bdf, u16 off);
 void pci_cf8_write32(u16 bdf, u16 off, u32 v);
 u32 pci_ecam_read32(u16 bdf, u16 off);	/* needs an MCFG; ~0 otherwise */
 void pci_ecam_write32(u16 bdf, u16 off, u32 v);
+/* Reads the identity, class, header type, BAR, subsystem and capability
+ * pointer registers of every function of the last pci_scan() through both
+ * mechanisms; prints and counts the differences.  -1 if one of them is
+ * missing (no ECAM, or nothing answers at 0xcf8). *functions = compared. */
+int pci_compare_mechanisms(int *functions);
 /* Scans bus 0 (all 32 devices; functions 1-7 of multi-function ones), decodes
  * every function's BARs (sizing with decode off, restored after) into a table;
  * returns the count.  Rescans on each call. */

@@ -452,3 +452,24 @@ volatile void *pci_bar_ptr(const struct pci_dev *d, unsigned bar, u64 offset, u6
 		return NULL;
 	return (volatile void *)a;
 }
+
+int pci_compare_mechanisms(int *functions)
+{
+	static const u16 regs[] = { 0x00, 0x08, 0x0c, 0x10, 0x14, 0x18, 0x1c, 0x20, 0x24, 0x2c, 0x34 };
+	if (!ecam_base || (pci_cf8_read32(PCI_BDF(0, 0, 0), 0) & 0xffff) == 0xffff)
+		return -1;
+	int bad = 0;
+	*functions = ndevs;
+	for (int i = 0; i < ndevs; i++) {
+		for (unsigned r = 0; r < ARRAY_SIZE(regs); r++) {
+			u32 a = pci_cf8_read32(devs[i].bdf, regs[r]);
+			u32 b = pci_ecam_read32(devs[i].bdf, regs[r]);
+			if (a != b) {
+				printf("pci: 00:%02x.%u register 0x%02x: CF8 0x%08x, ECAM 0x%08x\n",
+				       (devs[i].bdf >> 3) & 31, devs[i].bdf & 7, regs[r], a, b);
+				bad++;
+			}
+		}
+	}
+	return bad;
+}
