@@ -324,22 +324,9 @@ void virtio_msix_route(struct virtio_dev *vd, u16 entry, u32 apic_id, u8 vector)
 
 /* ---- virtqueues ---- */
 
-struct virtq *virtio_queue_setup(struct virtio_dev *vd, u16 index, u16 size, u16 msix_entry)
+/* A queue's rings and bookkeeping, in the DMA pool; every descriptor free. */
+static struct virtq *alloc_queue(struct virtio_dev *vd, u16 index, u16 size)
 {
-	if (index >= VIRTIO_MAX_QUEUES || index >= vd->num_queues) {
-		printf("virtio: queue %u: the device has %u queues\n", index, vd->num_queues);
-		return NULL;
-	}
-	wr16(vd, VIRTIO_COMMON_Q_SELECT, index);
-	u16 max = rd16(vd, VIRTIO_COMMON_Q_SIZE);
-	if (max == 0) {
-		printf("virtio: queue %u is not available (size 0)\n", index);
-		return NULL;
-	}
-	if (size == 0 || size > max)
-		size = max;
-	while (size & (size - 1))	/* split rings: a power of two */
-		size &= size - 1;
 	struct virtq *q = dma_alloc(sizeof(*q), 64);
 	q->vdev = vd;
 	q->index = index;
@@ -356,8 +343,27 @@ struct virtq *virtio_queue_setup(struct virtio_dev *vd, u16 index, u16 size, u16
 	for (u16 i = 0; i < size; i++)
 		q->desc[i].next = (u16)(i + 1);
 	q->num_free = size;
-	q->msix_entry = msix_entry;
+	return q;
+}
 
+struct virtq *virtio_queue_setup(struct virtio_dev *vd, u16 index, u16 size, u16 msix_entry)
+{
+	if (index >= VIRTIO_MAX_QUEUES || index >= vd->num_queues) {
+		printf("virtio: queue %u: the device has %u queues\n", index, vd->num_queues);
+		return NULL;
+	}
+	wr16(vd, VIRTIO_COMMON_Q_SELECT, index);
+	u16 max = rd16(vd, VIRTIO_COMMON_Q_SIZE);
+	if (max == 0) {
+		printf("virtio: queue %u is not available (size 0)\n", index);
+		return NULL;
+	}
+	if (size == 0 || size > max)
+		size = max;
+	while (size & (size - 1))	/* split rings: a power of two */
+		size &= size - 1;
+	struct virtq *q = alloc_queue(vd, index, size);
+	q->msix_entry = msix_entry;
 	wr16(vd, VIRTIO_COMMON_Q_SIZE, size);
 	wr64(vd, VIRTIO_COMMON_Q_DESC, (u64)q->desc);
 	wr64(vd, VIRTIO_COMMON_Q_AVAIL, (u64)q->avail);
