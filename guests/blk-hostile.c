@@ -2,7 +2,8 @@
  * blk-hostile: malformed requests to the first virtio-blk PCI function.
  * The device must answer each one - an error status, a used element whose
  * status byte stayed unwritten, or DEVICE_NEEDS_RESET - and never hang,
- * report success for it or write into a device-readable buffer; after a
+ * report success for it, write into a device-readable buffer or return a
+ * used element for another head; after a
  * reset and a fresh initialisation it must serve a good read again.
  *
  * Before the cases, sectors 0-15 get a pattern (the good reads compare
@@ -337,9 +338,22 @@ static void set(struct verdict *v, const char *label, bool wrong)
 	v->wrong = wrong;
 }
 
+/* The head the case published; checked against the used element when it is a
+ * valid index. */
+static struct {
+	u16 head;
+	bool head_valid;
+} published;
+
 static void judge_used(const struct hcase *c, struct virtq_used_elem *e, struct verdict *v)
 {
 	u8 st = *b.status;
+	if (published.head_valid && e->id != published.head) {
+		snprintf(v->outcome, sizeof(v->outcome), "used element for descriptor %u, not %u",
+			 e->id, published.head);
+		set(v, "WRONG: used element names another chain", true);
+		return;
+	}
 	if (st == 0xff) {
 		snprintf(v->outcome, sizeof(v->outcome), "used len %u, status unwritten", e->len);
 		n_unwritten++;
@@ -417,7 +431,9 @@ static bool run_case(const struct hcase *c)
 	*b.status = 0xff;
 	blk.vd.config_irqs = 0;
 	struct virtq_used_elem e = { 0, 0 };
-	enum outcome o = run_chain(q, c->build(q, &b), &e);
+	published.head = c->build(q, &b);
+	published.head_valid = published.head < q->size;
+	enum outcome o = run_chain(q, published.head, &e);
 	struct verdict v;
 	judge(c, o, &e, &v);
 	bool serving = o == O_USED && still_serving(q);
