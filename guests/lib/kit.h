@@ -667,8 +667,9 @@ struct pci_dev *virtio_find(u32 type, unsigned nth);
 /* The usual start of a test guest (any ring): pci_init() (ECAM unless the
  * command line says "pci=cf8"), pci_scan(), with "pci_assign=1" every
  * unassigned BAR placed by pci_assign_bars() in the ferrovm windows
- * (memory [0xc0000000, 0xe0000000), I/O [0xc000, 0x10000)), then the nth
- * function of `type` probed; prints one line about it.  false and a
+ * (memory [0xc0000000, 0xe0000000), I/O [0xc000, 0x10000)), with "wait=hlt"
+ * virtio_wait_halt(true), then the nth function of `type` probed; prints
+ * one line about it.  false and a
  * message if there is none or the probe fails. */
 bool virtio_open(struct virtio_dev *vd, u32 type, unsigned nth);
 /* pci_assign_bars() for every function of the last pci_scan(), in the ferrovm
@@ -743,6 +744,11 @@ void virtq_irq_enable(struct virtq *q, bool on);
  * without its interrupt after 1 s counts in q->missed_irqs.  Returns 1 when
  * something is used, 0 on timeout, -1 if the device set NEEDS_RESET. */
 int virtq_wait(struct virtq *q, u64 timeout_us);
+/* Interrupt-driven waits of this CPU's queues spin in ring 3 (PAUSE; the
+ * default) or, with `on`, halt in ring 0 ("sti; hlt", bounded by a ~2 ms
+ * LAPIC one-shot on vector 0xef), leaving the host CPU to the VMM's I/O
+ * threads: for more vCPUs than free host CPUs.  Global; call before waits. */
+void virtio_wait_halt(bool on);
 /* virtq_add, virtq_kick and virtq_wait for one chain until it is used:
  * 1 (written length in *len), 0 on timeout, -1 if the device set
  * NEEDS_RESET.  Fails the guest if another chain completes first. */
