@@ -802,3 +802,208 @@ fn warm_migration_pauses_copies_and_resumes_on_the_destination() {
     assert_intact(&dest.output());
     dest.ctl(&["shutdown"]).expect_status(0);
 }
+
+/// `ferrovm ctl` against a socket, from any thread.
+fn ctl_at(socket: &Path, args: &[&str]) -> Run {
+    let s = socket.to_str().unwrap();
+    let mut all = vec!["ctl", "--api-socket", s];
+    all.extend_from_slice(args);
+    ferrovm(&all, Duration::from_secs(300))
+}
+
+fn json_of(run: &Run) -> serde_json::Value {
+    serde_json::from_str(run.stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {}\n{}", run.stdout, run.stderr))
+}
+
+/// Waits until `status` reports `operation`; false if `done` says it ended first.
+fn wait_for_operation(vm: &Vm, operation: &str, mut done: impl FnMut() -> bool) -> bool {
+    loop {
+        let status = json_of(&vm.ctl(&["--json", "status"]));
+        if status["operation"] == operation {
+            return true;
+        }
+        if done() {
+            return false;
+        }
+    }
+}
+
+/// Every state change is refused while a snapshot is written (a `resume` used to un-pause
+/// the guest under it, so that the file failed its checksums at restore; a `pause` replied
+/// "paused" and the guest ran again when the snapshot ended); the snapshot restores intact.
+#[test]
+fn state_changes_during_a_snapshot_are_refused() {
+    let dir = scratch("snaprace");
+    let source = start_dirty_source(&dir, &["--memory", "512M"], 256);
+    let snap = dir.join("vm.snap");
+    let (socket, file) = (source.socket.clone().unwrap(), snap.clone());
+    let writer = std::thread::spawn(move || {
+        ctl_at(&socket, &["--json", "snapshot", file.to_str().unwrap()])
+    });
+    assert!(
+        wait_for_operation(&source, "snapshot", || writer.is_finished()),
+        "the snapshot ended before status showed it"
+    );
+    for request in [&["resume"][..], &["pause"], &["shutdown"]] {
+        let run = source.ctl(request);
+        assert_eq!(run.status, Some(2), "{request:?} was not refused");
+        assert!(
+            run.stderr.contains("a snapshot is in progress"),
+            "{request:?}: {}",
+            run.stderr
+        );
+    }
+    writer.join().unwrap().expect_status(0);
+    let status = json_of(&source.ctl(&["--json", "status"]));
+    assert_eq!(status["state"], "running", "{status}");
+    source.ctl(&["shutdown"]).expect_status(0);
+    drop(source);
+
+    let restored = Vm::start(
+        &["--restore", snap.to_str().unwrap()],
+        &dir,
+        "restored",
+        true,
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&restored.output()) >= 2,
+        "the restored guest's progress",
+    );
+    assert_intact(&restored.output());
+    restored.ctl(&["shutdown"]).expect_status(0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A warm migration pauses the guest for its whole copy: a `resume` then is refused (it
+/// used to un-pause the guest mid-copy).
+#[test]
+fn resume_during_a_warm_migration_is_refused() {
+    let dir = scratch("warmrace");
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--memory", "512M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let mut source = start_dirty_source(&dir, &["--memory", "512M"], 128);
+    let socket = source.socket.clone().unwrap();
+    let target = listen.clone();
+    let migration = std::thread::spawn(move || {
+        // Slow enough for the requests below to land during the copy.
+        ctl_at(
+            &socket,
+            &["migrate", "--warm", &target, "--max-bandwidth", "100000000"],
+        )
+    });
+    assert!(
+        wait_for_operation(&source, "migration", || migration.is_finished()),
+        "the migration ended before status showed it"
+    );
+    let run = source.ctl(&["resume"]);
+    assert_eq!(run.status, Some(2), "resume was not refused");
+    assert!(
+        run.stderr.contains("a migration is in progress"),
+        "{}",
+        run.stderr
+    );
+    migration.join().unwrap().expect_status(0);
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) >= 1,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// A paused guest is snapshotted and migrated paused: it stays paused here after the
+/// snapshot and after a failed migration, and on the destination after a successful one.
+#[test]
+fn a_paused_guest_is_snapshotted_and_migrated_and_stays_paused() {
+    let dir = scratch("paused");
+    let source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    source.ctl(&["pause"]).expect_status(0);
+    let at_pause = last_pass(&source.output());
+    let snap = dir.join("vm.snap");
+    source
+        .ctl(&["snapshot", snap.to_str().unwrap()])
+        .expect_status(0);
+    assert_eq!(
+        json_of(&source.ctl(&["--json", "status"]))["state"],
+        "paused"
+    );
+
+    // A destination that refuses (another memory size): the guest stays paused.
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let wrong = Vm::start(
+        &["--incoming", &listen, "--memory", "512M"],
+        &dir,
+        "wrong",
+        false,
+    );
+    let run = source.ctl(&["migrate", &listen]);
+    assert_eq!(run.status, Some(2), "{}", run.stdout);
+    assert!(run.stderr.contains("stays paused"), "{}", run.stderr);
+    assert_eq!(
+        json_of(&source.ctl(&["--json", "status"]))["state"],
+        "paused"
+    );
+    drop(wrong);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        last_pass(&source.output()),
+        at_pause,
+        "the paused guest ran"
+    );
+
+    // A live migration of the paused guest: it arrives paused and runs once resumed there.
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--memory", "256M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let mut source = source;
+    source.ctl(&["migrate", &listen]).expect_status(0);
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    assert_eq!(json_of(&dest.ctl(&["--json", "status"]))["state"], "paused");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        last_pass(&dest.output()) == 0,
+        "the destination ran the paused guest"
+    );
+    dest.ctl(&["resume"]).expect_status(0);
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > at_pause,
+        "the migrated guest's progress once resumed",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+
+    // The snapshot of the paused guest restores and runs.
+    let restored = Vm::start(
+        &["--restore", snap.to_str().unwrap()],
+        &dir,
+        "restored",
+        true,
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&restored.output()) > at_pause,
+        "the restored guest's progress",
+    );
+    assert_intact(&restored.output());
+    restored.ctl(&["shutdown"]).expect_status(0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

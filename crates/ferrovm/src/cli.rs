@@ -161,7 +161,12 @@ pub enum CtlRequest {
     /// Stop the vCPUs.
     Pause,
     /// Let the vCPUs run again.
-    Resume,
+    Resume {
+        /// Resume although the last migration's outcome is unknown (first make sure the
+        /// destination does not run the guest: it must never run twice).
+        #[arg(long)]
+        force: bool,
+    },
     /// Power the guest off.
     Shutdown,
     /// Write a snapshot of the machine to FILE.
@@ -184,6 +189,8 @@ pub enum CtlRequest {
         #[arg(long)]
         warm: bool,
     },
+    /// Stop the migration in progress; the guest runs on here (or stays paused if it was).
+    MigrateCancel,
 }
 
 #[derive(Args, Debug)]

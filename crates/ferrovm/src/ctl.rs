@@ -12,7 +12,8 @@ pub fn run(args: &CtlArgs) -> anyhow::Result<u8> {
     let request = match &args.request {
         CtlRequest::Status => json!({"op": "status"}),
         CtlRequest::Pause => json!({"op": "pause"}),
-        CtlRequest::Resume => json!({"op": "resume"}),
+        CtlRequest::Resume { force } => json!({"op": "resume", "force": force}),
+        CtlRequest::MigrateCancel => json!({"op": "migrate_cancel"}),
         CtlRequest::Shutdown => json!({"op": "shutdown"}),
         CtlRequest::Snapshot { file } => {
             // The VMM resolves the path in its own working directory: send it absolute.
@@ -96,6 +97,9 @@ fn print_human(request: &CtlRequest, v: &Value) {
     match request {
         CtlRequest::Status => {
             println!("state:   {}", v["state"].as_str().unwrap_or("?"));
+            if let Some(op) = v["operation"].as_str() {
+                println!("busy:    {op} in progress");
+            }
             println!("vCPUs:   {}", v["vcpus"]);
             println!(
                 "memory:  {} MiB",
@@ -107,6 +111,7 @@ fn print_human(request: &CtlRequest, v: &Value) {
             }
         }
         CtlRequest::Migrate { .. } => crate::report::print_migration(v),
+        CtlRequest::MigrateCancel => println!("migration cancelled"),
         _ => println!("{}", v["state"].as_str().unwrap_or("ok")),
     }
 }

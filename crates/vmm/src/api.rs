@@ -7,28 +7,31 @@
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use devices::exit::{ExitReason, ExitRequest};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::control::RunControl;
 use crate::error::{Error, Result};
-
-/// How long a pause may take before the request fails (and the guest keeps running).
-const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+use crate::runstate::{MigrationCancel, RunState, Supervisor};
 
 /// What a request may ask of the machine beyond pausing it.
 pub trait MachineOps: Send + Sync {
-    /// Writes a snapshot of the paused machine to `path`.
-    fn snapshot(&self, path: &Path) -> Result<Value>;
-    /// Migrates the machine; `progress` receives one JSON object per update. On success the
-    /// guest stays paused here and the caller ends this copy of the machine
-    /// ([`ExitReason::Migrated`]) once the reply is on its way.
-    fn migrate(&self, request: &MigrateRequest, progress: &mut dyn FnMut(Value)) -> Result<Value>;
+    /// Writes a snapshot of the machine to `path`. `paused`: the guest is paused already
+    /// (and stays so); otherwise it is paused for the snapshot and runs again after.
+    fn snapshot(&self, path: &Path, paused: bool) -> Result<Value>;
+    /// Migrates the machine; `progress` receives one JSON object per update; `cancel` stops
+    /// it. `paused`: the guest is paused already, and stays paused here on failure (and on the
+    /// destination). On success the guest stays paused here and the caller ends this copy of
+    /// the machine ([`ExitReason::Migrated`]) once the reply is on its way.
+    fn migrate(
+        &self,
+        request: &MigrateRequest,
+        paused: bool,
+        cancel: &MigrationCancel,
+        progress: &mut dyn FnMut(Value),
+    ) -> Result<Value>;
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -54,10 +57,17 @@ pub struct MigrateRequest {
 enum Request {
     Status,
     Pause,
-    Resume,
+    Resume {
+        /// Resume even though the last migration's outcome is unknown.
+        #[serde(default)]
+        force: bool,
+    },
     Shutdown,
-    Snapshot { path: PathBuf },
+    Snapshot {
+        path: PathBuf,
+    },
     Migrate(MigrateRequest),
+    MigrateCancel,
 }
 
 /// What the API reports about the machine.
@@ -68,39 +78,34 @@ pub struct MachineInfo {
 }
 
 pub struct Api {
-    pub control: Arc<RunControl>,
+    pub supervisor: Arc<Supervisor>,
     pub exit: Arc<ExitRequest>,
     pub info: MachineInfo,
-    pub ops: Option<Arc<dyn MachineOps>>,
     /// The last progress report of a migration in flight.
     pub migration: Mutex<Option<Value>>,
-    /// One snapshot or migration at a time.
-    busy: AtomicBool,
 }
 
 impl Api {
-    pub fn new(control: Arc<RunControl>, exit: Arc<ExitRequest>, info: MachineInfo) -> Self {
+    pub fn new(supervisor: Arc<Supervisor>, exit: Arc<ExitRequest>, info: MachineInfo) -> Self {
         Api {
-            control,
+            supervisor,
             exit,
             info,
-            ops: None,
             migration: Mutex::new(None),
-            busy: AtomicBool::new(false),
         }
     }
 
     fn status(&self) -> Value {
+        let (state, busy) = self.supervisor.status();
         let state = if self.exit.is_requested() {
-            "stopping"
-        } else if self.control.is_paused() {
-            "paused"
+            RunState::Stopping
         } else {
-            "running"
+            state
         };
         json!({
             "ok": true,
-            "state": state,
+            "state": state.name(),
+            "operation": busy.map(|op| op.name()),
             "vcpus": self.info.vcpus,
             "memory_bytes": self.info.memory,
             "irqchip": self.info.irqchip,
@@ -108,15 +113,8 @@ impl Api {
         })
     }
 
-    fn exclusive<T>(&self, work: impl FnOnce() -> Result<T>) -> Result<T> {
-        if self.busy.swap(true, Ordering::AcqRel) {
-            return Err(Error::Control(
-                "a snapshot or migration is already in progress".into(),
-            ));
-        }
-        let result = work();
-        self.busy.store(false, Ordering::Release);
-        result
+    fn state_reply(state: RunState) -> Value {
+        json!({"ok": true, "state": state.name()})
     }
 
     /// Serves one request: the reply, and the exit to request once the reply has been
@@ -127,44 +125,40 @@ impl Api {
             Err(e) => return (error_reply(&format!("bad request: {e}")), None),
         };
         let mut then_exit = None;
+        let sup = &self.supervisor;
         let result = match request {
             Request::Status => return (self.status(), None),
-            Request::Pause => self
-                .control
-                .pause(PAUSE_TIMEOUT)
-                .map(|_| json!({"ok": true, "state": "paused"})),
-            Request::Resume => {
-                self.control.resume();
-                Ok(json!({"ok": true, "state": "running"}))
-            }
-            Request::Shutdown => {
+            Request::Pause => sup.pause().map(Self::state_reply),
+            Request::Resume { force } => sup.resume(force).map(Self::state_reply),
+            Request::Shutdown => sup.shutdown().map(|()| {
                 then_exit = Some(ExitReason::PowerOff);
-                Ok(json!({"ok": true, "state": "stopping"}))
+                Self::state_reply(RunState::Stopping)
+            }),
+            Request::Snapshot { path } => sup.snapshot(&path),
+            Request::MigrateCancel => sup
+                .cancel_migration()
+                .map(|()| json!({"ok": true, "cancelled": true})),
+            Request::Migrate(req) => {
+                let mut progress = |p: Value| {
+                    *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
+                    let _ = writeln!(stream, "{}", json!({"progress": p}));
+                };
+                let result = sup.migrate(&req, &mut progress);
+                *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                if result.is_ok() {
+                    // The destination runs the guest now: this copy must never run
+                    // again (its vCPUs stay paused until the process ends).
+                    then_exit = Some(ExitReason::Migrated);
+                }
+                result
             }
-            Request::Snapshot { path } => match &self.ops {
-                Some(ops) => self.exclusive(|| ops.snapshot(&path)),
-                None => Err(Error::NotSupportedYet { option: "snapshot" }),
-            },
-            Request::Migrate(req) => match &self.ops {
-                Some(ops) => self.exclusive(|| {
-                    let mut progress = |p: Value| {
-                        *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
-                        let _ = writeln!(stream, "{}", json!({"progress": p}));
-                    };
-                    let result = ops.migrate(&req, &mut progress);
-                    *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                    if result.is_ok() {
-                        // The destination runs the guest now: this copy must never run
-                        // again (its vCPUs stay paused until the process ends).
-                        then_exit = Some(ExitReason::Migrated);
-                    }
-                    result
-                }),
-                None => Err(Error::NotSupportedYet { option: "migrate" }),
-            },
         };
         let reply = match result {
             Ok(v) => v,
+            // Refused for the machine's state (HTTP's 409), not failed: nothing happened.
+            Err(e @ Error::Conflict(_)) => {
+                json!({"ok": false, "error": e.to_string(), "conflict": true})
+            }
             Err(e) => error_reply(&e.to_string()),
         };
         (reply, then_exit)

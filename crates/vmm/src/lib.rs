@@ -9,6 +9,7 @@ mod interrupts;
 mod machine;
 pub mod memory;
 mod restore;
+pub mod runstate;
 mod snapshot;
 mod state;
 mod timers;

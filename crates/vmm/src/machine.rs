@@ -20,13 +20,14 @@ use hypervisor::{
     open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
 };
 
-use crate::api::{Api, MachineInfo, SocketGuard};
+use crate::api::{Api, MachineInfo, MachineOps, SocketGuard};
 use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
 use crate::restore::RestoreOptions;
+use crate::runstate::{RunState, Supervisor};
 use crate::snapshot::{self, Core};
 use crate::state::DeviceHandles;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
@@ -62,6 +63,8 @@ pub fn run(config: VmConfig) -> Result<Outcome> {
     machine.run()
 }
 
+type AckSender = migration::AckSender<std::net::TcpStream>;
+
 /// How the vCPUs get their first state.
 enum Start {
     /// Already set: the boot protocol's entry state.
@@ -77,7 +80,7 @@ struct Machine {
     vcpus: Vec<Box<dyn Vcpu>>,
     context: Arc<VcpuContext>,
     timers: Option<TimerDevices>,
-    api: Option<(std::os::unix::net::UnixListener, Arc<Api>, SocketGuard)>,
+    api: Option<(std::os::unix::net::UnixListener, MachineInfo, SocketGuard)>,
 }
 
 fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
@@ -243,6 +246,7 @@ impl Machine {
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
             restored: Default::default(),
+            snapshot_temp: Default::default(),
             // Asked again now that the VM exists: bhyve probes VM_SNAPSHOT_REQ on creation.
             kernel_snapshot: hv.capabilities().kernel_snapshot != Some(false),
         });
@@ -254,10 +258,7 @@ impl Machine {
                     memory: config.memory,
                     irqchip: irqchip_name,
                 };
-                let mut api = Api::new(context.control.clone(), context.exit.clone(), info);
-                api.ops = Some(core.clone());
-                let api = Arc::new(api);
-                Some((listener, api, SocketGuard(path.clone())))
+                Some((listener, info, SocketGuard(path.clone())))
             }
             None => None,
         };
@@ -295,10 +296,11 @@ impl Machine {
     }
 
     /// Loads a snapshot or receives a migration into the machine before it runs. Returns
-    /// the acknowledgement to send once the guest runs (incoming migration).
-    fn prepare_start(&mut self) -> Result<Option<migration::AckSender<std::net::TcpStream>>> {
+    /// the acknowledgement to send once the guest runs (incoming migration), and whether the
+    /// guest starts paused (it was paused on the migration's source).
+    fn prepare_start(&mut self) -> Result<(Option<AckSender>, bool)> {
         let state = match std::mem::replace(&mut self.start, Start::Boot) {
-            Start::Boot => return Ok(None),
+            Start::Boot => return Ok((None, false)),
             Start::Restore(path, options) => {
                 let (state, mapped) = snapshot::load_snapshot(
                     &path,
@@ -320,11 +322,22 @@ impl Machine {
             }
         };
         let (state, ack) = state;
-        let restored = state
-            .restore_platform(self.core.vm.as_ref(), &self.core.devices)
-            .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus));
+        // A snapshot always runs; a migrated guest stays paused if it was paused, which
+        // only an API can end.
+        let paused = ack.is_some() && state.paused;
+        let restored = if paused && self.api.is_none() {
+            Err(Error::Migration(
+                "the guest was paused on the source, and this destination has no \
+                 --api-socket to resume it"
+                    .into(),
+            ))
+        } else {
+            state
+                .restore_platform(self.core.vm.as_ref(), &self.core.devices)
+                .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus))
+        };
         match restored {
-            Ok(()) => Ok(ack),
+            Ok(()) => Ok((ack, paused)),
             Err(e) => {
                 if let Some(mut ack) = ack {
                     let _ = ack.fail(&e.to_string());
@@ -338,7 +351,11 @@ impl Machine {
     }
 
     fn run(mut self) -> Result<Outcome> {
-        let mut ack = self.prepare_start()?;
+        let (mut ack, start_paused) = self.prepare_start()?;
+        if start_paused {
+            // The vCPUs park before their first entry into the guest.
+            self.context.control.start_paused();
+        }
         let signals = SignalWatch::install()?;
         let timer_thread = match self.timers.take() {
             Some(devices) if devices.has_timers() => Some(TimerThread::spawn(devices)?),
@@ -373,9 +390,21 @@ impl Machine {
                 )));
             }
         }
+        let initial = if start_paused {
+            RunState::Paused
+        } else {
+            RunState::Running
+        };
+        let ops: Arc<dyn MachineOps> = self.core.clone();
+        let supervisor = Arc::new(Supervisor::new(
+            self.context.control.clone(),
+            Some(ops),
+            initial,
+        ));
         let _socket = match self.api.take() {
-            Some((listener, api, guard)) if start_error.is_none() => {
-                crate::api::serve(listener, api)?;
+            Some((listener, info, guard)) if start_error.is_none() => {
+                let api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
+                crate::api::serve(listener, Arc::new(api))?;
                 Some(guard)
             }
             other => other.map(|(_, _, guard)| guard),
@@ -385,6 +414,10 @@ impl Machine {
         } else {
             None
         };
+        supervisor.stopping();
+        // A snapshot still being written when the machine ends is abandoned: no half-written
+        // temporary file of the guest's size is left behind.
+        self.core.abandon_snapshot();
         let failures = stop_vcpus(&self.context, threads);
         if let Some(t) = timer_thread {
             t.stop();

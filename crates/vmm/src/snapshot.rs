@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,7 @@ use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::memory::GuestMemory;
 use crate::restore::{self, MappedSnapshot, RestoreOptions};
+use crate::runstate::MigrationCancel;
 use crate::state::{DeviceHandles, MachineState};
 
 /// How long a pause may take before a snapshot or migration gives up (the guest runs on).
@@ -52,6 +53,8 @@ pub struct Core {
     pub kernel_snapshot: bool,
     /// Set after a lazy restore: guest RAM is mapped from that snapshot file.
     pub restored: std::sync::OnceLock<Arc<MappedSnapshot>>,
+    /// The temporary file of a snapshot being written, removed if the machine ends first.
+    pub snapshot_temp: std::sync::Mutex<Option<PathBuf>>,
 }
 
 /// The migration config of a machine: what the destination must match.
@@ -92,6 +95,18 @@ impl Core {
         Ok(())
     }
 
+    /// Removes the temporary file of a snapshot still being written (the machine ends).
+    pub fn abandon_snapshot(&self) {
+        let temp = self
+            .snapshot_temp
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(temp) = temp {
+            let _ = std::fs::remove_file(temp);
+        }
+    }
+
     fn machine_state(&self, vcpus: Vec<VcpuState>) -> Result<MachineState> {
         Ok(MachineState {
             vcpus,
@@ -102,6 +117,7 @@ impl Core {
             },
             clock: self.vm.clock()?,
             devices: self.devices.save(),
+            paused: false,
         })
     }
 }
@@ -159,7 +175,7 @@ impl MachineOps for Core {
     /// into place once complete and on disk: an existing file at `path` — even the one this
     /// guest was lazily restored from and still maps — is replaced whole, never rewritten in
     /// place, and a failed snapshot leaves it as it was.
-    fn snapshot(&self, path: &Path) -> Result<Value> {
+    fn snapshot(&self, path: &Path, paused: bool) -> Result<Value> {
         self.check_can_save()?;
         let started = Instant::now();
         let file_err = |reason: String| Error::File {
@@ -175,21 +191,27 @@ impl MachineOps for Core {
         let tmp = path.with_file_name(tmp_name);
         let file =
             File::create(&tmp).map_err(|e| file_err(format!("cannot create snapshot: {e}")))?;
-        let result = self
-            .control
-            .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
-            .and_then(|vcpus| {
-                let result = self.machine_state(vcpus).and_then(|state| {
-                    let bytes = state.to_bytes()?;
-                    let data_pages = self.restored.get().map(|m| m.data_pages());
-                    let ram = migration::FileBackedRam::new(&*self.memory, data_pages);
-                    migration::snapshot_file(&ram, &self.config, &bytes, &file)
-                        .map_err(mig_err("snapshot"))
-                });
-                self.control.resume();
-                result
+        *self.snapshot_temp.lock().unwrap_or_else(|e| e.into_inner()) = Some(tmp.clone());
+        let vcpus = if paused {
+            self.control.capture(self.msrs.clone(), PAUSE_TIMEOUT)
+        } else {
+            self.control
+                .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
+        };
+        let result = vcpus.and_then(|vcpus| {
+            let result = self.machine_state(vcpus).and_then(|state| {
+                let bytes = state.to_bytes()?;
+                let data_pages = self.restored.get().map(|m| m.data_pages());
+                let ram = migration::FileBackedRam::new(&*self.memory, data_pages);
+                migration::snapshot_file(&ram, &self.config, &bytes, &file)
+                    .map_err(mig_err("snapshot"))
             });
-        let paused = started.elapsed();
+            if !paused {
+                self.control.resume();
+            }
+            result
+        });
+        let paused_for = started.elapsed();
         // The guest runs again while the file goes to disk and into place.
         let result = result.and_then(|report| {
             file.sync_all()
@@ -197,13 +219,18 @@ impl MachineOps for Core {
                 .map_err(|e| file_err(format!("cannot write snapshot: {e}")))?;
             Ok(report)
         });
-        let report = result.inspect_err(|_| {
+        if result.is_err() {
             let _ = std::fs::remove_file(&tmp);
-        })?;
+        }
+        self.snapshot_temp
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let report = result?;
         Ok(json!({
             "ok": true,
             "path": path,
-            "paused_ms": ms(paused),
+            "paused_ms": ms(paused_for),
             "total_ms": ms(started.elapsed()),
             "bytes": report.bytes_total,
             "file_bytes": report.file_bytes,
@@ -213,15 +240,63 @@ impl MachineOps for Core {
         }))
     }
 
-    fn migrate(&self, request: &MigrateRequest, progress: &mut dyn FnMut(Value)) -> Result<Value> {
+    fn migrate(
+        &self,
+        request: &MigrateRequest,
+        paused: bool,
+        cancel: &MigrationCancel,
+        progress: &mut dyn FnMut(Value),
+    ) -> Result<Value> {
+        let here = if paused {
+            "the guest stays paused here"
+        } else {
+            "the guest keeps running here"
+        };
         let addr = parse_tcp(&request.destination, "destination")?;
         self.check_can_save()
-            .map_err(|e| Error::Migration(format!("{e} (the guest keeps running here)")))?;
+            .map_err(|e| Error::Migration(format!("{e} ({here})")))?;
+        if !request.warm && !paused && !self.dirty_tracking {
+            return Err(Error::Migration(
+                "live migration needs dirty-page tracking, which this accelerator lacks; \
+                 use `migrate --warm` (pause, copy, resume on the destination) or a snapshot"
+                    .into(),
+            ));
+        }
         let stream = connect(&addr)?;
         stream.set_write_timeout(Some(PEER_TIMEOUT))?;
         stream.set_read_timeout(Some(PEER_TIMEOUT))?;
         let _ = stream.set_nodelay(true);
-        let ack_in = stream.try_clone()?;
+        cancel.attach(stream.try_clone()?)?;
+        let result = self.migrate_over(stream, request, paused, cancel, progress);
+        self.control.set_throttle(0);
+        match result {
+            // The destination runs the guest now; the API ends this copy once the reply is
+            // written (the guest stays paused until then).
+            Ok(report) => Ok(json!({"ok": true, "report": report_json(&report)})),
+            Err(e @ migration::Error::OutcomeUnknown { .. }) => {
+                Err(Error::MigrationOutcomeUnknown(e.to_string()))
+            }
+            Err(_) if cancel.is_cancelled() => Err(Error::Migration(format!("cancelled ({here})"))),
+            Err(e) => Err(Error::Migration(format!("{e} ({here})"))),
+        }
+    }
+}
+
+impl Core {
+    /// Runs the migration engine over a connected stream. A guest found paused is migrated
+    /// warm (nothing can dirty its memory) and its state says so, so that the destination
+    /// keeps it paused. On failure, the guest runs again only if it was running.
+    fn migrate_over(
+        &self,
+        stream: TcpStream,
+        request: &MigrateRequest,
+        paused: bool,
+        cancel: &MigrationCancel,
+        progress: &mut dyn FnMut(Value),
+    ) -> migration::Result<MigrationReport> {
+        let ack_in = stream
+            .try_clone()
+            .map_err(|e| vm_error("the migration connection", e))?;
         let params = MigrationParams {
             max_bandwidth: request.max_bandwidth,
             downtime_target: Duration::from_millis(request.downtime_ms.unwrap_or(50)),
@@ -229,16 +304,10 @@ impl MachineOps for Core {
             max_time: request.max_time_s.map(Duration::from_secs),
             auto_converge: request.auto_converge,
         };
-        if !request.warm && !self.dirty_tracking {
-            return Err(Error::Migration(
-                "live migration needs dirty-page tracking, which this accelerator lacks; \
-                 use `migrate --warm` (pause, copy, resume on the destination) or a snapshot"
-                    .into(),
-            ));
-        }
+        let warm = request.warm || paused;
         let mut live_dirty;
         let mut warm_dirty;
-        let dirty: &mut dyn DirtySource = if request.warm {
+        let dirty: &mut dyn DirtySource = if warm {
             warm_dirty = NothingDirty {
                 region_pages: self.regions.iter().map(|r| r.size / PAGE_SIZE).collect(),
             };
@@ -255,13 +324,17 @@ impl MachineOps for Core {
             core: self,
             captured: None,
             paused: false,
+            was_paused: paused,
         };
-        if request.warm {
+        if warm {
             // Warm migration: the guest stays paused from the first page to the hand-over.
-            control.captured = Some(
+            let captured = if paused {
+                self.control.capture(self.msrs.clone(), PAUSE_TIMEOUT)
+            } else {
                 self.control
-                    .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)?,
-            );
+                    .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
+            };
+            control.captured = Some(captured.map_err(|e| vm_error("pausing the vCPUs", e))?);
             control.paused = true;
         }
         // After a lazy restore, pages still mapped from the snapshot file hold data too.
@@ -274,23 +347,18 @@ impl MachineOps for Core {
             BufWriter::with_capacity(1 << 20, stream),
             BufReader::new(ack_in),
             &params,
-            |p: &Progress| progress(progress_json(p)),
-        );
-        control.core.control.set_throttle(0);
-        match result {
-            // The destination runs the guest now; the API ends this copy once the reply is
-            // written (the guest stays paused until then).
-            Ok(report) => Ok(json!({"ok": true, "report": report_json(&report)})),
-            Err(e) => {
-                // The engine resumed the guest if it had paused it: it runs on here.
-                if control.paused {
-                    self.control.resume();
+            |p: &Progress| {
+                if p.phase == migration::Phase::WaitingAck {
+                    cancel.final_state_sent();
                 }
-                Err(Error::Migration(format!(
-                    "{e} (the guest keeps running here)"
-                )))
-            }
+                progress(progress_json(p))
+            },
+        );
+        if result.as_ref().is_err_and(|e| !e.outcome_unknown()) && control.paused {
+            // Paused before the engine ran (warm): the engine leaves that to us.
+            let _ = control.resume();
         }
+        result
     }
 }
 
@@ -377,6 +445,8 @@ struct VmPause<'a> {
     core: &'a Core,
     captured: Option<Vec<VcpuState>>,
     paused: bool,
+    /// The guest was paused before the migration: it stays paused whatever happens.
+    was_paused: bool,
 }
 
 impl VmControl for VmPause<'_> {
@@ -396,7 +466,9 @@ impl VmControl for VmPause<'_> {
     }
 
     fn resume(&mut self) -> migration::Result<()> {
-        self.core.control.resume();
+        if self.paused && !self.was_paused {
+            self.core.control.resume();
+        }
         self.paused = false;
         Ok(())
     }
@@ -406,10 +478,12 @@ impl VmControl for VmPause<'_> {
             .captured
             .take()
             .ok_or_else(|| vm_error("saving state", "the vCPUs are not paused"))?;
-        self.core
+        let mut state = self
+            .core
             .machine_state(vcpus)
-            .and_then(|s| s.to_bytes())
-            .map_err(|e| vm_error("saving state", e))
+            .map_err(|e| vm_error("saving state", e))?;
+        state.paused = self.was_paused;
+        state.to_bytes().map_err(|e| vm_error("saving state", e))
     }
 
     fn throttle(&mut self, percent: u8) {

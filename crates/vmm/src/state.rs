@@ -49,6 +49,9 @@ pub struct MachineState {
     pub kernel_irqchip: Option<IrqChipState>,
     pub clock: ClockData,
     pub devices: DevicesState,
+    /// The guest was paused when it was saved: a migration destination keeps it paused.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
