@@ -1007,3 +1007,32 @@ fn a_paused_guest_is_snapshotted_and_migrated_and_stays_paused() {
     restored.ctl(&["shutdown"]).expect_status(0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// SIGTERM while a snapshot is written: the hidden temporary file (as large as the guest's
+/// touched memory) is removed, not left behind.
+#[test]
+fn sigterm_during_a_snapshot_leaves_no_temporary_file() {
+    let dir = scratch("snapterm");
+    let mut source = start_dirty_source(&dir, &["--memory", "512M"], 256);
+    let snap = dir.join("vm.snap");
+    let (socket, file) = (source.socket.clone().unwrap(), snap.clone());
+    let writer = std::thread::spawn(move || {
+        ctl_at(&socket, &["--json", "snapshot", file.to_str().unwrap()])
+    });
+    assert!(
+        wait_for_operation(&source, "snapshot", || writer.is_finished()),
+        "the snapshot ended before status showed it"
+    );
+    // SAFETY: signalling our own child, not reaped yet.
+    unsafe { libc::kill(source.child.id() as i32, libc::SIGTERM) };
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(128 + libc::SIGTERM));
+    let _ = writer.join();
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

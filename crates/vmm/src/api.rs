@@ -4,7 +4,7 @@
 //! lines before their final reply. Each connection is served on its own thread, so `status`
 //! answers while a migration runs.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -169,26 +169,6 @@ fn error_reply(message: &str) -> Value {
     json!({"ok": false, "error": message})
 }
 
-/// Binds the socket, refusing to take over one a live process still serves.
-pub fn bind(path: &Path) -> Result<UnixListener> {
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            return Err(Error::Option {
-                option: "--api-socket",
-                value: path.display().to_string(),
-                reason: "another process is serving this socket".into(),
-            });
-        }
-        // A stale socket from a process that is gone.
-        let _ = std::fs::remove_file(path);
-    }
-    UnixListener::bind(path).map_err(|e| Error::Option {
-        option: "--api-socket",
-        value: path.display().to_string(),
-        reason: e.to_string(),
-    })
-}
-
 /// Serves the API until the process exits.
 pub fn serve(listener: UnixListener, api: Arc<Api>) -> std::io::Result<()> {
     std::thread::Builder::new()
@@ -206,6 +186,17 @@ pub fn serve(listener: UnixListener, api: Arc<Api>) -> std::io::Result<()> {
 }
 
 fn serve_connection(stream: UnixStream, api: &Api) {
+    match crate::socket::peer_allowed(&stream) {
+        Ok(true) => {}
+        Ok(false) => {
+            log::warn!("API: refused a connection from another user");
+            return;
+        }
+        Err(e) => {
+            log::warn!("API: refused a connection whose user is unknown: {e}");
+            return;
+        }
+    }
     let Ok(reader_half) = stream.try_clone() else {
         return;
     };
@@ -231,16 +222,5 @@ fn serve_connection(stream: UnixStream, api: &Api) {
         if written.is_err() {
             return;
         }
-    }
-}
-
-use std::io::Read as _;
-
-/// Removes the socket file when the machine stops.
-pub struct SocketGuard(pub PathBuf);
-
-impl Drop for SocketGuard {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
     }
 }

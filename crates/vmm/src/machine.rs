@@ -20,7 +20,7 @@ use hypervisor::{
     open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
 };
 
-use crate::api::{Api, MachineInfo, MachineOps, SocketGuard};
+use crate::api::{Api, MachineInfo, MachineOps};
 use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
@@ -29,6 +29,7 @@ use crate::memory::{self, GuestMemory};
 use crate::restore::RestoreOptions;
 use crate::runstate::{RunState, Supervisor};
 use crate::snapshot::{self, Core};
+use crate::socket::SocketGuard;
 use crate::state::DeviceHandles;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
@@ -252,13 +253,13 @@ impl Machine {
         });
         let api = match &config.api_socket {
             Some(path) => {
-                let listener = crate::api::bind(path)?;
+                let (listener, guard) = crate::socket::bind(path)?;
                 let info = MachineInfo {
                     vcpus: config.cpus,
                     memory: config.memory,
                     irqchip: irqchip_name,
                 };
-                Some((listener, info, SocketGuard(path.clone())))
+                Some((listener, info, guard))
             }
             None => None,
         };

@@ -54,7 +54,15 @@ pub struct Core {
     /// Set after a lazy restore: guest RAM is mapped from that snapshot file.
     pub restored: std::sync::OnceLock<Arc<MappedSnapshot>>,
     /// The temporary file of a snapshot being written, removed if the machine ends first.
-    pub snapshot_temp: std::sync::Mutex<Option<PathBuf>>,
+    pub snapshot_temp: std::sync::Mutex<SnapshotTemp>,
+}
+
+/// The temporary file of a snapshot in progress.
+#[derive(Default)]
+pub struct SnapshotTemp {
+    path: Option<PathBuf>,
+    /// The machine is ending: no new snapshot may start.
+    closed: bool,
 }
 
 /// The migration config of a machine: what the destination must match.
@@ -95,15 +103,37 @@ impl Core {
         Ok(())
     }
 
-    /// Removes the temporary file of a snapshot still being written (the machine ends).
+    fn temp_state(&self) -> std::sync::MutexGuard<'_, SnapshotTemp> {
+        self.snapshot_temp.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Creates a snapshot's temporary file, never through a symlink or over another file,
+    /// and records it for [`Core::abandon_snapshot`].
+    fn create_snapshot_temp(&self, tmp: &Path) -> std::io::Result<File> {
+        let mut temp = self.temp_state();
+        if temp.closed {
+            return Err(std::io::Error::other("the VM is shutting down"));
+        }
+        let create = || File::options().write(true).create_new(true).open(tmp);
+        let file = match create() {
+            // Left by an earlier process with our pid: ours to replace.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                std::fs::remove_file(tmp)?;
+                create()?
+            }
+            other => other?,
+        };
+        temp.path = Some(tmp.to_path_buf());
+        Ok(file)
+    }
+
+    /// Removes the temporary file of a snapshot still being written, and refuses new ones:
+    /// the machine ends.
     pub fn abandon_snapshot(&self) {
-        let temp = self
-            .snapshot_temp
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(temp) = temp {
-            let _ = std::fs::remove_file(temp);
+        let mut temp = self.temp_state();
+        temp.closed = true;
+        if let Some(path) = temp.path.take() {
+            let _ = std::fs::remove_file(path);
         }
     }
 
@@ -188,10 +218,11 @@ impl MachineOps for Core {
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(name);
         tmp_name.push(format!(".{}.tmp", std::process::id()));
+        crate::files::require_replaceable(path, "snapshot")?;
         let tmp = path.with_file_name(tmp_name);
-        let file =
-            File::create(&tmp).map_err(|e| file_err(format!("cannot create snapshot: {e}")))?;
-        *self.snapshot_temp.lock().unwrap_or_else(|e| e.into_inner()) = Some(tmp.clone());
+        let file = self
+            .create_snapshot_temp(&tmp)
+            .map_err(|e| file_err(format!("cannot create snapshot: {e}")))?;
         let vcpus = if paused {
             self.control.capture(self.msrs.clone(), PAUSE_TIMEOUT)
         } else {
@@ -222,10 +253,7 @@ impl MachineOps for Core {
         if result.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
-        self.snapshot_temp
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        self.temp_state().path = None;
         let report = result?;
         Ok(json!({
             "ok": true,
@@ -530,6 +558,8 @@ fn connect(addr: &str) -> Result<TcpStream> {
 
 /// Reads the machine configuration at the start of a snapshot file.
 pub fn peek_snapshot_config(path: &Path) -> Result<MigrationConfig> {
+    // Opening a FIFO would wait for a writer forever; a device is no snapshot either.
+    crate::files::require_regular(path, "snapshot")?;
     let file = File::open(path).map_err(|e| Error::File {
         path: path.to_path_buf(),
         reason: format!("cannot open snapshot: {e}"),
