@@ -218,3 +218,93 @@ fn snapshots_replace_only_regular_files() {
     vm.wait().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A pipe whose reader never reads, already full: any blocking write to it hangs.
+fn full_pipe() -> (std::fs::File, std::fs::File) {
+    use std::os::unix::io::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: `fds` is valid for two descriptors; both are owned by the Files below only.
+    let (read_end, write_end) = unsafe {
+        assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
+    use std::io::Write;
+    use std::os::unix::io::AsRawFd;
+    let fd = write_end.as_raw_fd();
+    // SAFETY: fcntl on a descriptor we own.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) };
+    let mut w = &write_end;
+    while w.write(&[b'x'; 4096]).is_ok() {}
+    // Blocking again, as a child's inherited stdout would be.
+    // SAFETY: as above.
+    unsafe { libc::fcntl(fd, libc::F_SETFL, flags) };
+    (read_end, write_end)
+}
+
+/// Nobody reads the guest's console (`ferrovm run | less`, not scrolled): pause, snapshot,
+/// status and shutdown still work (the vCPU used to block in write(2), so that pause failed
+/// and shutdown and SIGTERM waited for the reader), and the exit is not held up.
+#[test]
+fn an_unread_console_never_blocks_the_vmm() {
+    require_kvm();
+    let dir = scratch("stalled");
+    let socket = dir.join("api.sock");
+    let (_read_end, write_end) = full_pipe();
+    let kernel = guest("migrate-dirty");
+    let mut vm = Command::new(FERROVM)
+        .args([
+            "run",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "mib=8",
+        ])
+        .args(["--memory", "64M", "--api-socket"])
+        .arg(&socket)
+        .stdout(Stdio::from(write_end))
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_socket(&socket);
+    let s = socket.to_str().unwrap();
+    // Let the guest print into the full pipe.
+    std::thread::sleep(Duration::from_millis(500));
+    ctl(s, &["pause"]).expect_status(0).expect_stdout("paused");
+    let snap = dir.join("vm.snap");
+    ctl(s, &["snapshot", snap.to_str().unwrap()]).expect_status(0);
+    ctl(s, &["resume"]).expect_status(0);
+    let run = ctl(s, &["--json", "status"]);
+    let status: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    assert!(status["serial_dropped_bytes"].is_u64(), "{status}");
+    let started = Instant::now();
+    ctl(s, &["shutdown"]).expect_status(0);
+    let code = vm.wait().unwrap();
+    assert_eq!(code.code(), Some(0));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let mut err = String::new();
+    use std::io::Read;
+    vm.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(err.contains("not reading"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `ctl` gives up on a VMM that does not answer (it used to wait forever).
+#[test]
+fn ctl_gives_up_on_a_silent_vmm() {
+    let dir = scratch("silent");
+    let socket = dir.join("silent.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let s = socket.to_str().unwrap();
+    let run = ferrovm(
+        &["ctl", "--api-socket", s, "--timeout", "1", "status"],
+        Duration::from_secs(20),
+    );
+    run.expect_error("the VMM did not answer within 1 s");
+    assert!(run.elapsed < Duration::from_secs(5), "{:?}", run.elapsed);
+    let _ = std::fs::remove_dir_all(&dir);
+}

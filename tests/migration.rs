@@ -1036,3 +1036,88 @@ fn sigterm_during_a_snapshot_leaves_no_temporary_file() {
     assert!(left.is_empty(), "temporary files left: {left:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The "listening on HOST:PORT" line of a destination started with port 0.
+fn listening_port(vm: &mut Vm) -> u16 {
+    use std::io::BufRead;
+    let stderr = vm.child.stderr.take().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(stderr)
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .trim()
+        .strip_prefix("listening on 127.0.0.1:")
+        .unwrap_or_else(|| panic!("no listening line: {line:?}"));
+    port.parse().unwrap()
+}
+
+/// A destination waiting with `--incoming tcp:127.0.0.1:0` says which port it got, and
+/// connections that close at once or send garbage are logged and the wait goes on (one used
+/// to end the destination); then a real migration arrives.
+#[test]
+fn stray_connections_do_not_end_the_waiting_destination() {
+    let dir = scratch("stray");
+    let mut dest = Vm::start(
+        &["--incoming", "tcp:127.0.0.1:0", "--memory", "256M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let port = listening_port(&mut dest);
+    drop(TcpStream::connect(("127.0.0.1", port)).unwrap());
+    let mut garbage = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    garbage
+        .write_all(b"GET / HTTP/1.0\r\nHost: localhost\r\nAccept: */*\r\n\r\n")
+        .unwrap();
+    let mut reply = Vec::new();
+    let _ = garbage.read_to_end(&mut reply);
+    drop(garbage);
+    // One that says nothing at all.
+    let silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(dest.running(), "a stray connection ended the destination");
+
+    let mut source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    let before = last_pass(&source.output());
+    let listen = format!("tcp:127.0.0.1:{port}");
+    source.ctl(&["migrate", &listen]).expect_status(0);
+    drop(silent);
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > before,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// A fake destination whose refusal carries terminal escape codes: `ctl` prints them
+/// escaped (they used to reach the terminal raw).
+#[test]
+fn a_peers_escape_codes_never_reach_the_terminal() {
+    let dir = scratch("escapes");
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    let refuser = std::thread::spawn(move || {
+        let (mut conn, _) = fake.accept().unwrap();
+        // Header and Config arrive first; then the refusal, as the reply channel carries it.
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf);
+        let frame = migration::encode_frame(&migration::Frame::Error(
+            "no\u{1b}[2J\u{1b}]0;owned\u{7}".into(),
+        ))
+        .unwrap();
+        conn.write_all(&frame).unwrap();
+        let _ = conn.read(&mut buf);
+    });
+    let source = start_dirty_source(&dir, &["--memory", "64M"], 8);
+    let run = source.ctl(&["migrate", &format!("tcp:127.0.0.1:{port}")]);
+    assert_eq!(run.status, Some(2));
+    assert!(!run.stderr.contains('\u{1b}'), "{:?}", run.stderr);
+    assert!(run.stderr.contains("no\\u{1b}[2J"), "{}", run.stderr);
+    refuser.join().unwrap();
+    source.ctl(&["shutdown"]).expect_status(0);
+}

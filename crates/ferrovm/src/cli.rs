@@ -150,6 +150,10 @@ pub struct CtlArgs {
     /// Print one JSON object.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Seconds to wait for the reply; for `migrate`, between two progress reports.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
     #[command(subcommand)]
     pub request: CtlRequest,
 }
@@ -171,7 +175,7 @@ pub enum CtlRequest {
     Shutdown,
     /// Write a snapshot of the machine to FILE.
     Snapshot { file: PathBuf },
-    /// Live-migrate to a `ferrovm run --incoming` listener.
+    /// Live-migrate to a `ferrovm run --incoming` listener. Ctrl-C cancels it.
     Migrate {
         /// tcp:HOST:PORT
         destination: String,

@@ -83,6 +83,8 @@ pub struct Api {
     pub info: MachineInfo,
     /// The last progress report of a migration in flight.
     pub migration: Mutex<Option<Value>>,
+    /// The serial console's output queue, for the count of bytes dropped.
+    pub serial: Option<Arc<devices::output::OutputQueue>>,
 }
 
 impl Api {
@@ -92,6 +94,7 @@ impl Api {
             exit,
             info,
             migration: Mutex::new(None),
+            serial: None,
         }
     }
 
@@ -110,6 +113,7 @@ impl Api {
             "memory_bytes": self.info.memory,
             "irqchip": self.info.irqchip,
             "migration": self.migration.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            "serial_dropped_bytes": self.serial.as_ref().map_or(0, |q| q.dropped()),
         })
     }
 

@@ -34,6 +34,8 @@ use crate::state::DeviceHandles;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 
+/// How long the guest's last console output may take to reach its reader at exit.
+const SERIAL_DRAIN_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// The ACPI SCI line, as the FADT and MADT advertise it.
 const ACPI_SCI_IRQ: u32 = 9;
 /// The CMOS RTC's periodic/alarm/update interrupt.
@@ -64,7 +66,7 @@ pub fn run(config: VmConfig) -> Result<Outcome> {
     machine.run()
 }
 
-type AckSender = migration::AckSender<std::net::TcpStream>;
+type AckSender = migration::AckSender<snapshot::ReplyChannel>;
 
 /// How the vCPUs get their first state.
 enum Start {
@@ -127,13 +129,7 @@ impl Machine {
             _ => None,
         };
         let incoming = match &config.start {
-            StartFrom::Incoming(addr) => {
-                Some(TcpListener::bind(addr).map_err(|e| Error::Option {
-                    option: "--incoming",
-                    value: format!("tcp:{addr}"),
-                    reason: e.to_string(),
-                })?)
-            }
+            StartFrom::Incoming(addr) => Some(listen_for_migration(addr)?),
             _ => None,
         };
         let mut initrd = match &config.initrd {
@@ -404,7 +400,8 @@ impl Machine {
         ));
         let _socket = match self.api.take() {
             Some((listener, info, guard)) if start_error.is_none() => {
-                let api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
+                let mut api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
+                api.serial = self.serial_queue();
                 crate::api::serve(listener, Arc::new(api))?;
                 Some(guard)
             }
@@ -423,6 +420,7 @@ impl Machine {
         if let Some(t) = timer_thread {
             t.stop();
         }
+        self.finish_serial_output();
         // A lazily restored snapshot whose page data proved corrupt: that is the error, however
         // the guest ended.
         let corrupt = self.core.restored.get().and_then(|m| {
@@ -443,6 +441,50 @@ impl Machine {
             Some(outcome) => Ok(outcome),
         }
     }
+}
+
+impl Machine {
+    /// Gives the guest's last console output a moment to reach its reader, and says how much
+    /// was dropped because nobody read it.
+    fn finish_serial_output(&self) {
+        let Some(queue) = self.serial_queue() else {
+            return;
+        };
+        if !queue.drain(SERIAL_DRAIN_AT_EXIT) {
+            log::warn!(
+                "serial: the reader of the guest's output is not reading; not waiting for it"
+            );
+        }
+        let dropped = queue.dropped();
+        if dropped > 0 {
+            log::warn!(
+                "serial: {dropped} bytes of guest output were dropped: its reader did not keep up"
+            );
+        }
+    }
+
+    fn serial_queue(&self) -> Option<Arc<devices::output::OutputQueue>> {
+        self.core
+            .devices
+            .serial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .output_queue()
+    }
+}
+
+/// Binds the `--incoming` listener and says where it listens (the port the system picked
+/// for port 0).
+fn listen_for_migration(addr: &str) -> Result<TcpListener> {
+    let error = |e: std::io::Error| Error::Option {
+        option: "--incoming",
+        value: format!("tcp:{addr}"),
+        reason: e.to_string(),
+    };
+    let listener = TcpListener::bind(addr).map_err(error)?;
+    let local = listener.local_addr().map_err(error)?;
+    eprintln!("listening on {local}");
+    Ok(listener)
 }
 
 /// Writes the firmware tables and loads the kernel: the BSP's entry state.

@@ -25,6 +25,8 @@ use crate::state::{DeviceHandles, MachineState};
 
 /// How long a pause may take before a snapshot or migration gives up (the guest runs on).
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a new connection to `--incoming` may take to send its configuration.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A destination that stops reading or answering for this long is treated as gone.
 const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -605,20 +607,89 @@ pub fn load_snapshot(
 /// the machine state and the sender of the final acknowledgement.
 pub struct Incoming {
     pub state: MachineState,
-    pub ack: migration::AckSender<TcpStream>,
+    pub ack: migration::AckSender<ReplyChannel>,
     pub figures: Value,
 }
 
+/// The destination's reply channel, watched for its first frame: until the destination has
+/// accepted the source's configuration (`Ready`), no guest page has been written.
+pub struct ReplyChannel {
+    stream: TcpStream,
+    first_frame_seen: bool,
+    /// Set when the first frame written is `Ready`.
+    accepted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The `Ready` frame's kind byte (docs/migration.md).
+const READY_KIND: u8 = 8;
+
+impl std::io::Write for ReplyChannel {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.stream.write(buf)?;
+        if !self.first_frame_seen && n > 0 {
+            self.first_frame_seen = true;
+            if buf[0] == READY_KIND {
+                self.accepted
+                    .store(true, std::sync::atomic::Ordering::Release);
+                // A source that passed the handshake gets the patience a migration needs.
+                self.stream.set_read_timeout(Some(PEER_TIMEOUT))?;
+            }
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+/// Waits on `listener` for a migration and receives it. A connection that fails before its
+/// configuration is accepted (a port scanner, garbage, a peer that closes, a mismatched
+/// machine) is logged and the wait goes on; a failure after that ends the wait (guest RAM
+/// then holds part of a guest).
 pub fn receive_migration(
     listener: &TcpListener,
     memory: &GuestMemory,
     expected: &MigrationConfig,
 ) -> Result<Incoming> {
-    let (stream, peer) = listener.accept()?;
-    log::info!("incoming migration from {peer}");
-    stream.set_read_timeout(Some(PEER_TIMEOUT))?;
+    loop {
+        let (stream, peer) = listener.accept()?;
+        log::info!("incoming migration from {peer}");
+        let accepted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reply = ReplyChannel {
+            stream: stream.try_clone()?,
+            first_frame_seen: false,
+            accepted: accepted.clone(),
+        };
+        match receive_from(stream, reply, memory, expected) {
+            Ok(incoming) => return Ok(incoming),
+            Err(e) if !accepted.load(std::sync::atomic::Ordering::Acquire) => {
+                log::warn!(
+                    "incoming connection from {peer} refused: {e}; still waiting for a migration"
+                );
+            }
+            Err(e) => {
+                let reason = match e {
+                    Error::Migration(m) => m,
+                    other => other.to_string(),
+                };
+                return Err(Error::Migration(format!(
+                    "incoming migration from {peer}: {reason}"
+                )));
+            }
+        }
+    }
+}
+
+fn receive_from(
+    stream: TcpStream,
+    reply: ReplyChannel,
+    memory: &GuestMemory,
+    expected: &MigrationConfig,
+) -> Result<Incoming> {
+    // Until its configuration is accepted, a peer that says nothing is not a migration.
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(PEER_TIMEOUT))?;
-    let reply = stream.try_clone()?;
     let started = Instant::now();
     let result = migration::receive(
         memory,
@@ -626,10 +697,9 @@ pub fn receive_migration(
         reply,
         expected,
     )
-    .map_err(|e| Error::Migration(format!("incoming migration from {peer}: {e}")))?;
-    let state = MachineState::from_bytes(&result.state)?;
+    .map_err(|e| Error::Migration(e.to_string()))?;
     Ok(Incoming {
-        state,
+        state: MachineState::from_bytes(&result.state)?,
         ack: result.ack,
         figures: json!({"receive_ms": ms(started.elapsed())}),
     })
