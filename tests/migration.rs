@@ -1121,3 +1121,166 @@ fn a_peers_escape_codes_never_reach_the_terminal() {
     refuser.join().unwrap();
     source.ctl(&["shutdown"]).expect_status(0);
 }
+
+/// Ctrl-C on `ctl migrate` cancels the migration: the guest runs on here. And
+/// `ctl migrate-cancel` stops a migration of a paused guest, which stays paused.
+#[test]
+fn a_migration_is_cancelled_and_the_guest_is_left_as_it_was() {
+    let dir = scratch("cancel");
+    let mut dests = Vec::new();
+    let mut start_dest = |name: &str| {
+        let port = free_port();
+        let listen = format!("tcp:127.0.0.1:{port}");
+        dests.push(Vm::start(
+            &["--incoming", &listen, "--memory", "256M"],
+            &dir,
+            name,
+            false,
+        ));
+        listen
+    };
+    let source = start_dirty_source(&dir, &["--memory", "256M"], 64);
+    let socket = source.socket.clone().unwrap();
+    let s = socket.to_str().unwrap().to_string();
+    let listen = start_dest("dest1");
+    let slow = ["--max-bandwidth", "4000000"];
+    let args = [&["ctl", "--api-socket", &s, "migrate", &listen][..], &slow].concat();
+    let run = ferrovm_with(&args, Duration::from_secs(120), |pid| {
+        wait_until(
+            Duration::from_secs(30),
+            || !json_of(&source.ctl(&["--json", "status"]))["migration"].is_null(),
+            "the migration's first progress report",
+        );
+        // SAFETY: pid is the ctl child, not reaped yet.
+        unsafe { libc::kill(pid, libc::SIGINT) };
+    });
+    assert_eq!(run.status, Some(2), "{}", run.stdout);
+    assert!(
+        run.stderr
+            .contains("cancelled (the guest keeps running here)"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        json_of(&source.ctl(&["--json", "status"]))["state"],
+        "running"
+    );
+    let after = last_pass(&source.output());
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&source.output()) > after,
+        "the source guest's progress after the cancelled migration",
+    );
+
+    source.ctl(&["pause"]).expect_status(0);
+    let listen = start_dest("dest2");
+    let migration =
+        std::thread::spawn(move || ctl_at(&socket, &[&["migrate", &listen][..], &slow].concat()));
+    assert!(
+        wait_for_operation(&source, "migration", || migration.is_finished()),
+        "the migration ended before status showed it"
+    );
+    source.ctl(&["migrate-cancel"]).expect_status(0);
+    let run = migration.join().unwrap();
+    assert!(
+        run.stderr
+            .contains("cancelled (the guest stays paused here)"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        json_of(&source.ctl(&["--json", "status"]))["state"],
+        "paused"
+    );
+    source
+        .ctl(&["migrate-cancel"])
+        .expect_error("no migration is in progress");
+    source.ctl(&["resume"]).expect_status(0);
+    assert_intact(&source.output());
+    source.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// Forwards a migration both ways, but swallows the destination's final `Ack` and then
+/// closes the source's connection: the acknowledgement lost in the network.
+fn ack_swallowing_relay(to: u16) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let (mut src, _) = listener.accept().unwrap();
+        let mut dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
+        let (mut src_r, mut dst_w) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut src_r, &mut dst_w);
+        });
+        // Reply frames: kind, flags, 2 reserved, u32 length, payload, CRC-32.
+        loop {
+            let mut header = [0u8; 8];
+            if dst.read_exact(&mut header).is_err() {
+                break;
+            }
+            let len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+            let mut rest = vec![0u8; len + 4];
+            if dst.read_exact(&mut rest).is_err() {
+                break;
+            }
+            if header[0] == migration::Kind::Ack as u8 {
+                break;
+            }
+            if src
+                .write_all(&header)
+                .and_then(|_| src.write_all(&rest))
+                .is_err()
+            {
+                break;
+            }
+        }
+        let _ = src.shutdown(Shutdown::Both);
+    });
+    port
+}
+
+/// The final acknowledgement is lost: the destination runs the guest, so the source must not
+/// (both used to run it). The source keeps it paused, says the outcome is unknown, and
+/// resumes only when forced.
+#[test]
+fn a_lost_final_ack_never_lets_the_guest_run_twice() {
+    let dir = scratch("lostack");
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--memory", "256M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    let relay = ack_swallowing_relay(port);
+    let run = source.ctl(&["migrate", &format!("tcp:127.0.0.1:{relay}")]);
+    assert_eq!(run.status, Some(2), "{}", run.stdout);
+    assert!(
+        run.stderr
+            .contains("outcome unknown: the destination may be running the guest"),
+        "{}",
+        run.stderr
+    );
+    let status = json_of(&source.ctl(&["--json", "status"]));
+    assert_eq!(status["state"], "migration-outcome-unknown", "{status}");
+    source
+        .ctl(&["status"])
+        .expect_stdout("migration-outcome-unknown");
+    let refused = source.ctl(&["resume"]);
+    assert_eq!(refused.status, Some(2));
+    assert!(refused.stderr.contains("--force"), "{}", refused.stderr);
+    // The destination runs the guest; the source's copy stays still.
+    let at_source = last_pass(&source.output());
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > at_source,
+        "the destination's progress",
+    );
+    assert_eq!(last_pass(&source.output()), at_source, "the source ran too");
+    assert_intact(&dest.output());
+    // The operator decides: here, the source copy goes.
+    source.ctl(&["shutdown"]).expect_status(0);
+    dest.ctl(&["shutdown"]).expect_status(0);
+}
