@@ -169,6 +169,38 @@ fn bad_options_are_refused_with_one_line() {
     bad_run(&["frobnicate"]).expect_error("frobnicate");
 }
 
+/// Sizes and counts are parsed strictly and checked up front: `--memory 512B` used to mean
+/// 512 MiB, `--initrd /dev/zero` was read as an empty initrd, and more vCPUs than the
+/// firmware tables can describe were accepted.
+#[test]
+fn sizes_counts_and_files_are_checked_strictly() {
+    let kernel = guest("hello");
+    let k = kernel.to_str().unwrap();
+    bad_run(&["run", "--kernel", k, "--memory", "512B"])
+        .expect_error("--memory 512B: a guest needs at least 2 MiB of RAM");
+    for unclear in ["512MB", "1Gi", "2 G", "512m5"] {
+        bad_run(&["run", "--kernel", k, "--memory", unclear])
+            .expect_error(&format!("--memory {unclear}: expected a size"));
+    }
+    bad_run(&["run", "--kernel", k, "--memory", "4098K"])
+        .expect_error("must be a multiple of 4 KiB");
+    bad_run(&["run", "--kernel", k, "--cpus", "255"]).expect_error("--cpus 255: at most 254 vCPUs");
+    bad_run(&["run", "--kernel", k, "--initrd", "/dev/zero"])
+        .expect_error("initrd must be a regular file; this is a device node");
+    // Units that mean what they say.
+    let run = run_guest("hello", &["--memory", "262144KiB"]);
+    run.expect_status(0)
+        .expect_stdout("ferrovm hello: 1 vCPU(s), 256 MiB RAM");
+}
+
+/// A command line may begin with a dash (it used to be taken for an unknown option).
+#[test]
+fn a_command_line_may_begin_with_a_dash() {
+    let run = run_guest("hello", &["--cmdline", "-v greeting=dash"]);
+    run.expect_status(0)
+        .expect_stdout("cmdline: -v greeting=dash");
+}
+
 #[test]
 fn accel_reports_capabilities() {
     require_kvm();

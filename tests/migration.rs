@@ -1284,3 +1284,49 @@ fn a_lost_final_ack_never_lets_the_guest_run_twice() {
     source.ctl(&["shutdown"]).expect_status(0);
     dest.ctl(&["shutdown"]).expect_status(0);
 }
+
+/// `--restore` with options the snapshot decides: boot-only options are refused, and a shape
+/// option must match the snapshot's machine, naming both values (they were ignored).
+#[test]
+fn restore_refuses_options_it_would_ignore() {
+    let dir = scratch("restoreopts");
+    let good = small_snapshot_file(&dir);
+    let g = good.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let args = [&["run", "--restore", g, "--serial", "none"][..], extra].concat();
+        ferrovm(&args, Duration::from_secs(60))
+    };
+    run(&["--cmdline", "x=1"]).expect_error("--cmdline cannot be used with --restore");
+    let initrd = dir.join("initrd");
+    std::fs::write(&initrd, b"initrd").unwrap();
+    run(&["--initrd", initrd.to_str().unwrap()])
+        .expect_error("--initrd cannot be used with --restore");
+    run(&["--kernel", g]).expect_error("--kernel");
+    run(&["--memory", "128M"])
+        .expect_error("--memory 128M: the snapshot's machine has 64 MiB of RAM");
+    run(&["--cpus", "2"]).expect_error("--cpus 2: the snapshot's machine has 1");
+    run(&["--irqchip", "split"]).expect_error("--irqchip split: the snapshot's machine has kernel");
+    // Matching values are fine.
+    let mut vm = Vm::start(
+        &[
+            "--restore",
+            g,
+            "--memory",
+            "64M",
+            "--cpus",
+            "1",
+            "--irqchip",
+            "kernel",
+        ],
+        &dir,
+        "matching",
+        false,
+    );
+    wait_until(
+        Duration::from_secs(30),
+        || vm.output().contains(" ok"),
+        "a tick of the restored guest",
+    );
+    assert!(vm.running());
+    let _ = std::fs::remove_dir_all(&dir);
+}

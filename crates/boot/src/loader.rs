@@ -203,6 +203,23 @@ pub enum LoadError {
         /// File length.
         file_len: u64,
     },
+    /// Two PT_LOAD segments claim the same guest memory: one would silently overwrite the
+    /// other.
+    #[error("segments {first} ({first_start:#x}..{first_end:#x}) and {second} ({second_start:#x}..{second_end:#x}) overlap in physical memory")]
+    OverlappingSegments {
+        /// Program-header index of the lower segment.
+        first: usize,
+        /// Its physical range.
+        first_start: u64,
+        /// End of its physical range.
+        first_end: u64,
+        /// Program-header index of the segment that starts inside it.
+        second: usize,
+        /// Its physical range.
+        second_start: u64,
+        /// End of its physical range.
+        second_end: u64,
+    },
     /// `p_filesz > p_memsz`.
     #[error("segment {index}: p_filesz {filesz:#x} is larger than p_memsz {memsz:#x}")]
     SegmentFileSizeTooLarge {
@@ -731,6 +748,7 @@ where
             value: 0,
         });
     }
+    check_no_overlap(image)?;
 
     if image.is_64 {
         // linux-loader loads ELF64 (p_filesz bytes of every PT_LOAD at p_paddr).
@@ -772,6 +790,27 @@ where
         )?;
     }
     Ok((lowest, highest_low))
+}
+
+/// Refuses PT_LOAD segments whose physical ranges overlap (ranges already checked to lie in
+/// RAM, so the ends do not overflow).
+fn check_no_overlap(image: &ElfImage) -> Result<(), LoadError> {
+    let mut loads: Vec<_> = image.loads().filter(|p| p.memsz > 0).collect();
+    loads.sort_by_key(|p| p.paddr);
+    for pair in loads.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        if a.paddr + a.memsz > b.paddr {
+            return Err(LoadError::OverlappingSegments {
+                first: a.index,
+                first_start: a.paddr,
+                first_end: a.paddr + a.memsz,
+                second: b.index,
+                second_start: b.paddr,
+                second_end: b.paddr + b.memsz,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The entry point must lie inside a loaded segment and below 4 GiB (32-bit entry).

@@ -862,3 +862,36 @@ fn mutated_images_never_panic() {
         }
     }
 }
+
+/// Overlapping PT_LOAD segments (one would overwrite the other) are refused, in both ELF
+/// classes, naming both segments; adjacent ones are fine.
+#[test]
+fn overlapping_segments_are_refused() {
+    for is_64 in [false, true] {
+        let spec = |second: u64| ElfSpec {
+            is_64,
+            entry: 0x10_0010,
+            notes: Some(pvh_note(0x10_0010)),
+            segments: vec![
+                Seg::new(0x10_0000, pattern(0x1800, 1), 0x4000),
+                Seg::new(second, pattern(0x100, 2), 0x100),
+            ],
+            ..Default::default()
+        };
+        let mem = guest_mem(MEM);
+        let e = load(&mem, elf_image(&spec(0x10_3000)), "", None, MEM).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LoadError::OverlappingSegments {
+                    first: 0,
+                    second: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("overlap"), "{e}");
+        load(&mem, elf_image(&spec(0x10_4000)), "", None, MEM).unwrap();
+    }
+}

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
-use vmm::config::{parse_memory_size, parse_serial, IrqChipKind, StartFrom, VmConfig};
+use vmm::config::{parse_memory_size, parse_serial, IrqChipKind, ShapeGiven, StartFrom, VmConfig};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -48,21 +48,22 @@ pub struct RunArgs {
     /// Kernel image: Linux bzImage, PVH ELF or Multiboot v1 ELF.
     #[arg(long, value_name = "FILE", required_unless_present_any = ["incoming", "restore"])]
     pub kernel: Option<PathBuf>,
-    /// Kernel command line.
-    #[arg(long, value_name = "S", default_value = "")]
-    pub cmdline: String,
+    /// Kernel command line (it may begin with a dash).
+    #[arg(long, value_name = "S", allow_hyphen_values = true)]
+    pub cmdline: Option<String>,
     /// Initial ramdisk.
     #[arg(long, value_name = "FILE")]
     pub initrd: Option<PathBuf>,
-    /// Number of vCPUs.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub cpus: u32,
-    /// Guest RAM, e.g. 512M or 2G (a bare number means MiB).
-    #[arg(long, value_name = "SIZE", default_value = "256M")]
-    pub memory: String,
-    /// Where the interrupt controllers live.
-    #[arg(long, value_enum, default_value = "kernel")]
-    pub irqchip: IrqChipArg,
+    /// Number of vCPUs (default 1; at most 254).
+    #[arg(long, value_name = "N")]
+    pub cpus: Option<u32>,
+    /// Guest RAM: a number with a unit B, K/KiB, M/MiB, G/GiB or T/TiB; a bare number means
+    /// MiB (default 256M).
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Option<String>,
+    /// Where the interrupt controllers live (default kernel).
+    #[arg(long, value_enum)]
+    pub irqchip: Option<IrqChipArg>,
     /// Accelerator.
     #[arg(long, value_enum, default_value = "auto")]
     pub accel: AccelArg,
@@ -107,10 +108,18 @@ impl RunArgs {
         if let Some((option, _)) = unsupported.iter().find(|(_, given)| *given) {
             bail!("{option}: not supported yet");
         }
-        if self.cpus == 0 {
-            bail!("--cpus 0: a guest needs at least one vCPU");
+        if self.restore.is_some() {
+            // A snapshot holds the kernel, its command line and initrd, in guest RAM.
+            let boot_only = [
+                ("--cmdline", self.cmdline.is_some()),
+                ("--initrd", self.initrd.is_some()),
+            ];
+            if let Some((option, _)) = boot_only.iter().find(|(_, given)| *given) {
+                bail!(
+                    "{option} cannot be used with --restore: the snapshot holds the booted guest"
+                );
+            }
         }
-        let memory = parse_memory_size(&self.memory)?;
         let (restore_verify, restore_eager) = (self.restore_verify, self.restore_eager);
         let start = match (self.kernel, self.restore, self.incoming) {
             (Some(kernel), None, None) => StartFrom::Kernel(kernel),
@@ -119,14 +128,24 @@ impl RunArgs {
             _ => bail!("give exactly one of --kernel, --restore and --incoming"),
         };
         let mut config = VmConfig::new(start);
-        config.memory_text = self.memory;
-        config.memory = memory;
-        config.cmdline = self.cmdline;
+        config.shape_given = ShapeGiven {
+            memory: self.memory.is_some(),
+            cpus: self.cpus.is_some(),
+            irqchip: self.irqchip.is_some(),
+        };
+        if let Some(memory) = self.memory {
+            config.memory = parse_memory_size(&memory)?;
+            config.memory_text = memory;
+        }
+        if let Some(cpus) = self.cpus {
+            config.cpus = cpus;
+        }
+        check_cpus(config.cpus)?;
+        config.cmdline = self.cmdline.unwrap_or_default();
         config.initrd = self.initrd;
-        config.cpus = self.cpus;
         config.irqchip = match self.irqchip {
-            IrqChipArg::Kernel => IrqChipKind::Kernel,
-            IrqChipArg::Split => IrqChipKind::Split,
+            Some(IrqChipArg::Split) => IrqChipKind::Split,
+            Some(IrqChipArg::Kernel) | None => IrqChipKind::Kernel,
         };
         config.accel = match self.accel {
             AccelArg::Auto => AccelKind::Auto,
@@ -140,6 +159,23 @@ impl RunArgs {
         config.restore_eager = restore_eager;
         Ok(config)
     }
+}
+
+/// 1 to 254 vCPUs: xAPIC IDs are 8 bits, 0xff is the broadcast ID, and the MADT and MP
+/// table describe no more. (The accelerator's own limit, if lower, is checked once it is
+/// open.)
+fn check_cpus(cpus: u32) -> anyhow::Result<()> {
+    if cpus == 0 {
+        bail!("--cpus 0: a guest needs at least one vCPU");
+    }
+    let max = boot::layout::MAX_CPUS;
+    if cpus > max {
+        bail!(
+            "--cpus {cpus}: at most {max} vCPUs (xAPIC IDs are 8 bits and the firmware tables \
+             describe no more)"
+        );
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]

@@ -114,6 +114,7 @@ impl Machine {
         let mut config = config.clone();
         if let StartFrom::Restore(path) = &config.start {
             let saved = snapshot::peek_snapshot_config(path)?;
+            check_shape_against_snapshot(&config, &saved)?;
             config.memory = saved.memory_size;
             config.memory_text = format!("{}", saved.memory_size);
             config.cpus = saved.vcpus;
@@ -132,6 +133,10 @@ impl Machine {
             StartFrom::Incoming(addr) => Some(listen_for_migration(addr)?),
             _ => None,
         };
+        if let Some(path) = &config.initrd {
+            // A device or FIFO would be read as empty or hang: an initrd is a file.
+            crate::files::require_regular(path, "initrd")?;
+        }
         let mut initrd = match &config.initrd {
             Some(path) => Some(File::open(path).map_err(|e| Error::File {
                 path: path.clone(),
@@ -470,6 +475,49 @@ impl Machine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .output_queue()
+    }
+}
+
+/// With `--restore`, the snapshot decides the machine's shape: a `--memory`, `--cpus` or
+/// `--irqchip` given anyway must match it.
+fn check_shape_against_snapshot(
+    config: &VmConfig,
+    saved: &migration::MigrationConfig,
+) -> Result<()> {
+    let given = config.shape_given;
+    let irqchip = match config.irqchip {
+        IrqChipKind::Kernel => "kernel",
+        IrqChipKind::Split => "split",
+    };
+    let checks = [
+        (
+            "--memory",
+            given.memory && config.memory != saved.memory_size,
+            config.memory_text.clone(),
+            format!("{} MiB of RAM", saved.memory_size >> 20),
+        ),
+        (
+            "--cpus",
+            given.cpus && config.cpus != saved.vcpus,
+            config.cpus.to_string(),
+            saved.vcpus.to_string(),
+        ),
+        (
+            "--irqchip",
+            given.irqchip && irqchip != saved.irqchip,
+            irqchip.to_string(),
+            saved.irqchip.clone(),
+        ),
+    ];
+    match checks.into_iter().find(|(_, differs, _, _)| *differs) {
+        Some((option, _, value, saved_value)) => Err(Error::Option {
+            option,
+            value,
+            reason: format!(
+                "the snapshot's machine has {saved_value} (leave the option out with --restore)"
+            ),
+        }),
+        None => Ok(()),
     }
 }
 
