@@ -308,3 +308,32 @@ fn ctl_gives_up_on_a_silent_vmm() {
     assert!(run.elapsed < Duration::from_secs(5), "{:?}", run.elapsed);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Another user is refused even where the socket's mode would let it connect.
+#[test]
+fn other_users_are_refused() {
+    require_kvm();
+    let dir = scratch("otheruser");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let socket = dir.join("api.sock");
+    let mut vm = idle_vm(&socket);
+    wait_for_socket(&socket);
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    use std::os::unix::process::CommandExt;
+    let out = Command::new(FERROVM)
+        .args(["ctl", "--api-socket", socket.to_str().unwrap(), "status"])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("permission denied: this API serves its own user and root only"),
+        "{stderr}"
+    );
+    ctl(socket.to_str().unwrap(), &["shutdown"]).expect_status(0);
+    vm.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -189,17 +189,22 @@ pub fn serve(listener: UnixListener, api: Arc<Api>) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Answers the first request of a client that may not use the API with the reason, and
+/// closes the connection.
+fn refuse_connection(mut stream: UnixStream, who: &str) {
+    log::warn!("API: refused a connection from {who}");
+    let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(1)));
+    let mut line = String::new();
+    let _ = BufReader::new((&stream).take(1 << 20)).read_line(&mut line);
+    let reply = error_reply("permission denied: this API serves its own user and root only");
+    let _ = writeln!(stream, "{reply}");
+}
+
 fn serve_connection(stream: UnixStream, api: &Api) {
     match crate::socket::peer_allowed(&stream) {
         Ok(true) => {}
-        Ok(false) => {
-            log::warn!("API: refused a connection from another user");
-            return;
-        }
-        Err(e) => {
-            log::warn!("API: refused a connection whose user is unknown: {e}");
-            return;
-        }
+        Ok(false) => return refuse_connection(stream, "another user"),
+        Err(e) => return refuse_connection(stream, &format!("an unknown user ({e})")),
     }
     let Ok(reader_half) = stream.try_clone() else {
         return;
