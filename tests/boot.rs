@@ -264,3 +264,101 @@ fn both_boot_protocols_see_the_same_machine() {
     }
     assert_eq!(maps[0], maps[1], "the RAM map differs between protocols");
 }
+
+/// A tiny Multiboot kernel as test suites build them for QEMU's `-kernel`: linked at
+/// `link_addr` (below 1 MiB), it prints the command line it was given and exits through the
+/// debug-exit port with `code`, written as a `width`-byte value whose low byte is `code`.
+fn tiny_multiboot_kernel(dir: &std::path::Path, link_addr: u32, width: u8, code: u8) -> String {
+    let source = dir.join(format!("mb-{link_addr:x}-{width}.S"));
+    let out_instruction = match width {
+        1 => "outb %al, %dx",
+        2 => "outw %ax, %dx",
+        _ => "outl %eax, %dx",
+    };
+    std::fs::write(
+        &source,
+        format!(
+            r#"	.text
+	.code32
+	.globl _start
+	.align 4
+	.long 0x1BADB002, 0x00000003, -(0x1BADB002 + 0x00000003)
+_start:
+	cmp $0x2BADB002, %eax
+	jne fail
+	testl $4, (%ebx)
+	jz fail
+	mov 16(%ebx), %esi
+	mov $0x3f8, %dx
+1:	movb (%esi), %al
+	test %al, %al
+	jz 2f
+	outb %al, %dx
+	inc %esi
+	jmp 1b
+2:	movb $'\n', %al
+	outb %al, %dx
+	mov $0xf4, %dx
+	mov ${wide}, %eax
+	{out_instruction}
+	hlt
+fail:	mov $0xf4, %dx
+	mov $0x99, %al
+	outb %al, %dx
+	hlt
+"#,
+            wide = 0x1234_5600u32 | u32::from(code),
+        ),
+    )
+    .unwrap();
+    let object = source.with_extension("o");
+    let elf = source.with_extension("elf");
+    let gcc = std::process::Command::new("gcc")
+        .args(["-m32", "-c", "-o"])
+        .arg(&object)
+        .arg(&source)
+        .status()
+        .expect("gcc (the guests need it too)");
+    assert!(gcc.success());
+    let ld = std::process::Command::new("ld")
+        .args(["-m", "elf_i386", "-N", "-e", "_start", "--build-id=none"])
+        .arg(format!("-Ttext={link_addr:#x}"))
+        .arg("-o")
+        .arg(&elf)
+        .arg(&object)
+        .output()
+        .expect("ld");
+    assert!(
+        ld.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ld.stderr)
+    );
+    elf.to_str().unwrap().to_string()
+}
+
+/// Test kernels built for QEMU's `-kernel` run unchanged: linked at 0x8000 (they used to be
+/// refused for overlapping the boot structures), given "KERNEL-PATH ARGS" as their Multiboot
+/// command line, exiting with a 1-, 2- or 4-byte write to isa-debug-exit's port 0xf4 (wider
+/// writes used to be ignored), with a command line that begins with a dash.
+#[test]
+fn qemu_style_multiboot_kernels_run_unchanged() {
+    require_kvm();
+    let dir = tempdir();
+    for (link, width, code) in [(0x8000u32, 4u8, 5u8), (0x8000, 2, 6), (0x10_0000, 1, 7)] {
+        let kernel = tiny_multiboot_kernel(&dir, link, width, code);
+        let run = ferrovm(
+            &[
+                "run",
+                "--kernel",
+                &kernel,
+                "--cmdline",
+                "-v a=1",
+                "--memory",
+                "32M",
+            ],
+            Duration::from_secs(60),
+        );
+        run.expect_status(i32::from(code) << 1 | 1)
+            .expect_stdout(&format!("{kernel} -v a=1"));
+    }
+}

@@ -557,6 +557,8 @@ fn load_firmware_and_kernel(
         cmdline: config.cmdline.clone(),
         mem_size: config.memory,
         rsdp: Some(rsdp),
+        // A Multiboot command line starts with the kernel's path, as GRUB and QEMU pass it.
+        image_name: Some(path.display().to_string()),
     };
     boot::load_kernel_with_config(
         guest_memory,
