@@ -940,14 +940,13 @@ fn a_paused_guest_is_snapshotted_and_migrated_and_stays_paused() {
     );
 
     // A destination that refuses (another memory size): the guest stays paused.
-    let port = free_port();
-    let listen = format!("tcp:127.0.0.1:{port}");
-    let wrong = Vm::start(
-        &["--incoming", &listen, "--memory", "512M"],
+    let mut wrong = Vm::start(
+        &["--incoming", "tcp:127.0.0.1:0", "--memory", "512M"],
         &dir,
         "wrong",
         false,
     );
+    let listen = format!("tcp:127.0.0.1:{}", listening_port(&mut wrong));
     let run = source.ctl(&["migrate", &listen]);
     assert_eq!(run.status, Some(2), "{}", run.stdout);
     assert!(run.stderr.contains("stays paused"), "{}", run.stderr);

@@ -108,18 +108,7 @@ impl RunArgs {
         if let Some((option, _)) = unsupported.iter().find(|(_, given)| *given) {
             bail!("{option}: not supported yet");
         }
-        if self.restore.is_some() {
-            // A snapshot holds the kernel, its command line and initrd, in guest RAM.
-            let boot_only = [
-                ("--cmdline", self.cmdline.is_some()),
-                ("--initrd", self.initrd.is_some()),
-            ];
-            if let Some((option, _)) = boot_only.iter().find(|(_, given)| *given) {
-                bail!(
-                    "{option} cannot be used with --restore: the snapshot holds the booted guest"
-                );
-            }
-        }
+        self.check_restore_options()?;
         let (restore_verify, restore_eager) = (self.restore_verify, self.restore_eager);
         let start = match (self.kernel, self.restore, self.incoming) {
             (Some(kernel), None, None) => StartFrom::Kernel(kernel),
@@ -158,6 +147,24 @@ impl RunArgs {
         config.restore_verify = restore_verify;
         config.restore_eager = restore_eager;
         Ok(config)
+    }
+}
+
+impl RunArgs {
+    /// A snapshot holds the kernel, its command line and initrd, in guest RAM: options for
+    /// them are refused with `--restore`, never ignored.
+    fn check_restore_options(&self) -> anyhow::Result<()> {
+        if self.restore.is_none() {
+            return Ok(());
+        }
+        let boot_only = [
+            ("--cmdline", self.cmdline.is_some()),
+            ("--initrd", self.initrd.is_some()),
+        ];
+        if let Some((option, _)) = boot_only.iter().find(|(_, given)| *given) {
+            bail!("{option} cannot be used with --restore: the snapshot holds the booted guest");
+        }
+        Ok(())
     }
 }
 

@@ -129,6 +129,17 @@ impl Core {
         Ok(file)
     }
 
+    /// Every vCPU's state: captured from the parked vCPUs of a paused guest (which stays
+    /// paused), or after pausing a running one (the caller resumes it).
+    fn capture_vcpus(&self, paused: bool) -> Result<Vec<VcpuState>> {
+        if paused {
+            self.control.capture(self.msrs.clone(), PAUSE_TIMEOUT)
+        } else {
+            self.control
+                .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
+        }
+    }
+
     /// Removes the temporary file of a snapshot still being written, and refuses new ones:
     /// the machine ends.
     pub fn abandon_snapshot(&self) {
@@ -214,24 +225,12 @@ impl MachineOps for Core {
             path: path.to_path_buf(),
             reason,
         };
-        let name = path
-            .file_name()
-            .ok_or_else(|| file_err("cannot create snapshot: not a file name".into()))?;
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(name);
-        tmp_name.push(format!(".{}.tmp", std::process::id()));
+        let tmp = temp_path_beside(path)?;
         crate::files::require_replaceable(path, "snapshot")?;
-        let tmp = path.with_file_name(tmp_name);
         let file = self
             .create_snapshot_temp(&tmp)
             .map_err(|e| file_err(format!("cannot create snapshot: {e}")))?;
-        let vcpus = if paused {
-            self.control.capture(self.msrs.clone(), PAUSE_TIMEOUT)
-        } else {
-            self.control
-                .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
-        };
-        let result = vcpus.and_then(|vcpus| {
+        let result = self.capture_vcpus(paused).and_then(|vcpus| {
             let result = self.machine_state(vcpus).and_then(|state| {
                 let bytes = state.to_bytes()?;
                 let data_pages = self.restored.get().map(|m| m.data_pages());
@@ -292,7 +291,10 @@ impl MachineOps for Core {
                     .into(),
             ));
         }
-        let stream = connect(&addr)?;
+        let stream = connect(&addr).map_err(|e| match e {
+            Error::Migration(m) => Error::Migration(format!("{m} ({here})")),
+            other => other,
+        })?;
         stream.set_write_timeout(Some(PEER_TIMEOUT))?;
         stream.set_read_timeout(Some(PEER_TIMEOUT))?;
         let _ = stream.set_nodelay(true);
@@ -327,13 +329,7 @@ impl Core {
         let ack_in = stream
             .try_clone()
             .map_err(|e| vm_error("the migration connection", e))?;
-        let params = MigrationParams {
-            max_bandwidth: request.max_bandwidth,
-            downtime_target: Duration::from_millis(request.downtime_ms.unwrap_or(50)),
-            max_rounds: request.max_rounds.unwrap_or(30),
-            max_time: request.max_time_s.map(Duration::from_secs),
-            auto_converge: request.auto_converge,
-        };
+        let params = params_of(request);
         let warm = request.warm || paused;
         let mut live_dirty;
         let mut warm_dirty;
@@ -358,13 +354,10 @@ impl Core {
         };
         if warm {
             // Warm migration: the guest stays paused from the first page to the hand-over.
-            let captured = if paused {
-                self.control.capture(self.msrs.clone(), PAUSE_TIMEOUT)
-            } else {
-                self.control
-                    .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
-            };
-            control.captured = Some(captured.map_err(|e| vm_error("pausing the vCPUs", e))?);
+            control.captured = Some(
+                self.capture_vcpus(paused)
+                    .map_err(|e| vm_error("pausing the vCPUs", e))?,
+            );
             control.paused = true;
         }
         // After a lazy restore, pages still mapped from the snapshot file hold data too.
@@ -389,6 +382,28 @@ impl Core {
             let _ = control.resume();
         }
         result
+    }
+}
+
+/// The hidden temporary file a snapshot to `path` is written to before the rename.
+fn temp_path_beside(path: &Path) -> Result<PathBuf> {
+    let name = path.file_name().ok_or_else(|| Error::File {
+        path: path.to_path_buf(),
+        reason: "cannot create snapshot: not a file name".into(),
+    })?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    Ok(path.with_file_name(tmp_name))
+}
+
+fn params_of(request: &MigrateRequest) -> MigrationParams {
+    MigrationParams {
+        max_bandwidth: request.max_bandwidth,
+        downtime_target: Duration::from_millis(request.downtime_ms.unwrap_or(50)),
+        max_rounds: request.max_rounds.unwrap_or(30),
+        max_time: request.max_time_s.map(Duration::from_secs),
+        auto_converge: request.auto_converge,
     }
 }
 
