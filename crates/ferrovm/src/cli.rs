@@ -8,7 +8,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
 use vmm::config::{
-    parse_console, parse_disk, parse_memory_size, parse_serial, IrqChipKind, StartFrom, VmConfig,
+    parse_console, parse_disk, parse_memory_size, parse_serial, IrqChipKind, ShapeGiven, StartFrom,
+    VmConfig,
 };
 
 #[derive(Parser, Debug)]
@@ -50,21 +51,22 @@ pub struct RunArgs {
     /// Kernel image: Linux bzImage, PVH ELF or Multiboot v1 ELF.
     #[arg(long, value_name = "FILE", required_unless_present_any = ["incoming", "restore"])]
     pub kernel: Option<PathBuf>,
-    /// Kernel command line.
-    #[arg(long, value_name = "S", default_value = "")]
-    pub cmdline: String,
+    /// Kernel command line (it may begin with a dash).
+    #[arg(long, value_name = "S", allow_hyphen_values = true)]
+    pub cmdline: Option<String>,
     /// Initial ramdisk.
     #[arg(long, value_name = "FILE")]
     pub initrd: Option<PathBuf>,
-    /// Number of vCPUs.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub cpus: u32,
-    /// Guest RAM, e.g. 512M or 2G (a bare number means MiB).
-    #[arg(long, value_name = "SIZE", default_value = "256M")]
-    pub memory: String,
-    /// Where the interrupt controllers live.
-    #[arg(long, value_enum, default_value = "kernel")]
-    pub irqchip: IrqChipArg,
+    /// Number of vCPUs (default 1; at most 254).
+    #[arg(long, value_name = "N")]
+    pub cpus: Option<u32>,
+    /// Guest RAM: a number with a unit B, K/KiB, M/MiB, G/GiB or T/TiB; a bare number means
+    /// MiB (default 256M).
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Option<String>,
+    /// Where the interrupt controllers live (default kernel).
+    #[arg(long, value_enum)]
+    pub irqchip: Option<IrqChipArg>,
     /// Accelerator.
     #[arg(long, value_enum, default_value = "auto")]
     pub accel: AccelArg,
@@ -115,10 +117,7 @@ impl RunArgs {
         if let Some((option, _)) = unsupported.iter().find(|(_, given)| *given) {
             bail!("{option}: not supported yet");
         }
-        if self.cpus == 0 {
-            bail!("--cpus 0: a guest needs at least one vCPU");
-        }
-        let memory = parse_memory_size(&self.memory)?;
+        self.check_restore_options()?;
         let (restore_verify, restore_eager) = (self.restore_verify, self.restore_eager);
         let start = match (self.kernel, self.restore, self.incoming) {
             (Some(kernel), None, None) => StartFrom::Kernel(kernel),
@@ -127,14 +126,24 @@ impl RunArgs {
             _ => bail!("give exactly one of --kernel, --restore and --incoming"),
         };
         let mut config = VmConfig::new(start);
-        config.memory_text = self.memory;
-        config.memory = memory;
-        config.cmdline = self.cmdline;
+        config.shape_given = ShapeGiven {
+            memory: self.memory.is_some(),
+            cpus: self.cpus.is_some(),
+            irqchip: self.irqchip.is_some(),
+        };
+        if let Some(memory) = self.memory {
+            config.memory = parse_memory_size(&memory)?;
+            config.memory_text = memory;
+        }
+        if let Some(cpus) = self.cpus {
+            config.cpus = cpus;
+        }
+        check_cpus(config.cpus)?;
+        config.cmdline = self.cmdline.unwrap_or_default();
         config.initrd = self.initrd;
-        config.cpus = self.cpus;
         config.irqchip = match self.irqchip {
-            IrqChipArg::Kernel => IrqChipKind::Kernel,
-            IrqChipArg::Split => IrqChipKind::Split,
+            Some(IrqChipArg::Split) => IrqChipKind::Split,
+            Some(IrqChipArg::Kernel) | None => IrqChipKind::Kernel,
         };
         config.accel = match self.accel {
             AccelArg::Auto => AccelKind::Auto,
@@ -159,6 +168,41 @@ impl RunArgs {
     }
 }
 
+impl RunArgs {
+    /// A snapshot holds the kernel, its command line and initrd, in guest RAM: options for
+    /// them are refused with `--restore`, never ignored.
+    fn check_restore_options(&self) -> anyhow::Result<()> {
+        if self.restore.is_none() {
+            return Ok(());
+        }
+        let boot_only = [
+            ("--cmdline", self.cmdline.is_some()),
+            ("--initrd", self.initrd.is_some()),
+        ];
+        if let Some((option, _)) = boot_only.iter().find(|(_, given)| *given) {
+            bail!("{option} cannot be used with --restore: the snapshot holds the booted guest");
+        }
+        Ok(())
+    }
+}
+
+/// 1 to 254 vCPUs: xAPIC IDs are 8 bits, 0xff is the broadcast ID, and the MADT and MP
+/// table describe no more. (The accelerator's own limit, if lower, is checked once it is
+/// open.)
+fn check_cpus(cpus: u32) -> anyhow::Result<()> {
+    if cpus == 0 {
+        bail!("--cpus 0: a guest needs at least one vCPU");
+    }
+    let max = boot::layout::MAX_CPUS;
+    if cpus > max {
+        bail!(
+            "--cpus {cpus}: at most {max} vCPUs (xAPIC IDs are 8 bits and the firmware tables \
+             describe no more)"
+        );
+    }
+    Ok(())
+}
+
 #[derive(Args, Debug)]
 pub struct CtlArgs {
     /// The API socket of the ferrovm to control.
@@ -167,6 +211,10 @@ pub struct CtlArgs {
     /// Print one JSON object.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Seconds to wait for the reply; for `migrate`, between two progress reports.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
     #[command(subcommand)]
     pub request: CtlRequest,
 }
@@ -178,12 +226,17 @@ pub enum CtlRequest {
     /// Stop the vCPUs.
     Pause,
     /// Let the vCPUs run again.
-    Resume,
+    Resume {
+        /// Resume although the last migration's outcome is unknown (first make sure the
+        /// destination does not run the guest: it must never run twice).
+        #[arg(long)]
+        force: bool,
+    },
     /// Power the guest off.
     Shutdown,
     /// Write a snapshot of the machine to FILE.
     Snapshot { file: PathBuf },
-    /// Live-migrate to a `ferrovm run --incoming` listener.
+    /// Live-migrate to a `ferrovm run --incoming` listener. Ctrl-C cancels it.
     Migrate {
         /// tcp:HOST:PORT
         destination: String,
@@ -201,6 +254,8 @@ pub enum CtlRequest {
         #[arg(long)]
         warm: bool,
     },
+    /// Stop the migration in progress; the guest runs on here (or stays paused if it was).
+    MigrateCancel,
 }
 
 #[derive(Args, Debug)]

@@ -21,7 +21,7 @@ use hypervisor::{
 };
 use pci::{HostBridge, PciBus, PciLayout, Window};
 
-use crate::api::{Api, MachineInfo, SocketGuard};
+use crate::api::{Api, MachineInfo, MachineOps};
 use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
@@ -29,12 +29,16 @@ use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
 use crate::platform::{add_virtio_devices, PciHandles, PlatformDevices, VirtioContext};
 use crate::restore::RestoreOptions;
+use crate::runstate::{RunState, Supervisor};
 use crate::snapshot::{self, Core};
+use crate::socket::SocketGuard;
 use crate::state::SharedDevice;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 use pci::IntxRouter;
 
+/// How long the guest's last console output may take to reach its reader at exit.
+const SERIAL_DRAIN_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// The ACPI SCI line, as the FADT and MADT advertise it.
 const ACPI_SCI_IRQ: u32 = 9;
 /// The CMOS RTC's periodic/alarm/update interrupt.
@@ -65,6 +69,8 @@ pub fn run(config: VmConfig) -> Result<Outcome> {
     machine.run()
 }
 
+type AckSender = migration::AckSender<snapshot::ReplyChannel>;
+
 /// How the vCPUs get their first state.
 enum Start {
     /// Already set: the boot protocol's entry state.
@@ -80,7 +86,9 @@ struct Machine {
     vcpus: Vec<Box<dyn Vcpu>>,
     context: Arc<VcpuContext>,
     timers: Option<TimerDevices>,
-    api: Option<(std::os::unix::net::UnixListener, Arc<Api>, SocketGuard)>,
+    api: Option<(std::os::unix::net::UnixListener, MachineInfo, SocketGuard)>,
+    /// COM1's output queue, drained at exit.
+    serial_output: Option<Arc<devices::output::OutputQueue>>,
 }
 
 fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
@@ -111,6 +119,7 @@ impl Machine {
         let mut config = config.clone();
         if let StartFrom::Restore(path) = &config.start {
             let saved = snapshot::peek_snapshot_config(path)?;
+            check_shape_against_snapshot(&config, &saved)?;
             config.memory = saved.memory_size;
             config.memory_text = format!("{}", saved.memory_size);
             config.cpus = saved.vcpus;
@@ -126,15 +135,13 @@ impl Machine {
             _ => None,
         };
         let incoming = match &config.start {
-            StartFrom::Incoming(addr) => {
-                Some(TcpListener::bind(addr).map_err(|e| Error::Option {
-                    option: "--incoming",
-                    value: format!("tcp:{addr}"),
-                    reason: e.to_string(),
-                })?)
-            }
+            StartFrom::Incoming(addr) => Some(listen_for_migration(addr)?),
             _ => None,
         };
+        if let Some(path) = &config.initrd {
+            // A device or FIFO would be read as empty or hang: an initrd is a file.
+            crate::files::require_regular(path, "initrd")?;
+        }
         let mut initrd = match &config.initrd {
             Some(path) => Some(File::open(path).map_err(|e| Error::File {
                 path: path.clone(),
@@ -219,6 +226,7 @@ impl Machine {
                 pci: &platform.pci,
             },
         )?;
+        let serial_output = platform.serial_output.clone();
         let device_list = platform.into_list(functions)?;
         if caps.rtc_in_kernel && entry.is_some() {
             // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
@@ -257,21 +265,19 @@ impl Machine {
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
             restored: Default::default(),
+            snapshot_temp: Default::default(),
             // Asked again now that the VM exists: bhyve probes VM_SNAPSHOT_REQ on creation.
             kernel_snapshot: hv.capabilities().kernel_snapshot != Some(false),
         });
         let api = match &config.api_socket {
             Some(path) => {
-                let listener = crate::api::bind(path)?;
+                let (listener, guard) = crate::socket::bind(path)?;
                 let info = MachineInfo {
                     vcpus: config.cpus,
                     memory: config.memory,
                     irqchip: irqchip_name,
                 };
-                let mut api = Api::new(context.control.clone(), context.exit.clone(), info);
-                api.ops = Some(core.clone());
-                let api = Arc::new(api);
-                Some((listener, api, SocketGuard(path.clone())))
+                Some((listener, info, guard))
             }
             None => None,
         };
@@ -305,14 +311,16 @@ impl Machine {
             timers: Some(timers),
             api,
             start,
+            serial_output,
         })
     }
 
     /// Loads a snapshot or receives a migration into the machine before it runs. Returns
-    /// the acknowledgement to send once the guest runs (incoming migration).
-    fn prepare_start(&mut self) -> Result<Option<migration::AckSender<std::net::TcpStream>>> {
+    /// the acknowledgement to send once the guest runs (incoming migration), and whether the
+    /// guest starts paused (it was paused on the migration's source).
+    fn prepare_start(&mut self) -> Result<(Option<AckSender>, bool)> {
         let state = match std::mem::replace(&mut self.start, Start::Boot) {
-            Start::Boot => return Ok(None),
+            Start::Boot => return Ok((None, false)),
             Start::Restore(path, options) => {
                 let (state, mapped) = snapshot::load_snapshot(
                     &path,
@@ -334,17 +342,26 @@ impl Machine {
             }
         };
         let (state, ack) = state;
-        // Devices are restored paused and resumed as the guest starts: a device with work of
-        // its own (a virtio queue) takes it up only then.
-        let restored = self
-            .core
-            .devices
-            .pause()
-            .and_then(|_| state.restore_platform(self.core.vm.as_ref(), &self.core.devices))
-            .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus))
-            .and_then(|_| self.core.devices.resume());
+        // A snapshot always runs; a migrated guest stays paused if it was paused, which
+        // only an API can end. Devices are restored paused and resumed as the guest starts:
+        // a device with work of its own (a virtio queue) takes it up only then.
+        let paused = ack.is_some() && state.paused;
+        let restored = if paused && self.api.is_none() {
+            Err(Error::Migration(
+                "the guest was paused on the source, and this destination has no \
+                 --api-socket to resume it"
+                    .into(),
+            ))
+        } else {
+            self.core
+                .devices
+                .pause()
+                .and_then(|_| state.restore_platform(self.core.vm.as_ref(), &self.core.devices))
+                .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus))
+                .and_then(|_| self.core.devices.resume())
+        };
         match restored {
-            Ok(()) => Ok(ack),
+            Ok(()) => Ok((ack, paused)),
             Err(e) => {
                 if let Some(mut ack) = ack {
                     let _ = ack.fail(&e.to_string());
@@ -358,7 +375,11 @@ impl Machine {
     }
 
     fn run(mut self) -> Result<Outcome> {
-        let mut ack = self.prepare_start()?;
+        let (mut ack, start_paused) = self.prepare_start()?;
+        if start_paused {
+            // The vCPUs park before their first entry into the guest.
+            self.context.control.start_paused();
+        }
         let signals = SignalWatch::install()?;
         let timer_thread = match self.timers.take() {
             Some(devices) if devices.has_timers() => Some(TimerThread::spawn(devices)?),
@@ -393,9 +414,22 @@ impl Machine {
                 )));
             }
         }
+        let initial = if start_paused {
+            RunState::Paused
+        } else {
+            RunState::Running
+        };
+        let ops: Arc<dyn MachineOps> = self.core.clone();
+        let supervisor = Arc::new(Supervisor::new(
+            self.context.control.clone(),
+            Some(ops),
+            initial,
+        ));
         let _socket = match self.api.take() {
-            Some((listener, api, guard)) if start_error.is_none() => {
-                crate::api::serve(listener, api)?;
+            Some((listener, info, guard)) if start_error.is_none() => {
+                let mut api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
+                api.serial = self.serial_queue();
+                crate::api::serve(listener, Arc::new(api))?;
                 Some(guard)
             }
             other => other.map(|(_, _, guard)| guard),
@@ -405,10 +439,15 @@ impl Machine {
         } else {
             None
         };
+        supervisor.stopping();
+        // A snapshot still being written when the machine ends is abandoned: no half-written
+        // temporary file of the guest's size is left behind.
+        self.core.abandon_snapshot();
         let failures = stop_vcpus(&self.context, threads);
         if let Some(t) = timer_thread {
             t.stop();
         }
+        self.finish_serial_output();
         // A lazily restored snapshot whose page data proved corrupt: that is the error, however
         // the guest ended.
         let corrupt = self.core.restored.get().and_then(|m| {
@@ -429,6 +468,88 @@ impl Machine {
             Some(outcome) => Ok(outcome),
         }
     }
+}
+
+impl Machine {
+    /// Gives the guest's last console output a moment to reach its reader, and says how much
+    /// was dropped because nobody read it.
+    fn finish_serial_output(&self) {
+        let Some(queue) = self.serial_queue() else {
+            return;
+        };
+        if !queue.drain(SERIAL_DRAIN_AT_EXIT) {
+            log::warn!(
+                "serial: the reader of the guest's output is not reading; not waiting for it"
+            );
+        }
+        let dropped = queue.dropped();
+        if dropped > 0 {
+            log::warn!(
+                "serial: {dropped} bytes of guest output were dropped: its reader did not keep up"
+            );
+        }
+    }
+
+    fn serial_queue(&self) -> Option<Arc<devices::output::OutputQueue>> {
+        self.serial_output.clone()
+    }
+}
+
+/// With `--restore`, the snapshot decides the machine's shape: a `--memory`, `--cpus` or
+/// `--irqchip` given anyway must match it.
+fn check_shape_against_snapshot(
+    config: &VmConfig,
+    saved: &migration::MigrationConfig,
+) -> Result<()> {
+    let given = config.shape_given;
+    let irqchip = match config.irqchip {
+        IrqChipKind::Kernel => "kernel",
+        IrqChipKind::Split => "split",
+    };
+    let checks = [
+        (
+            "--memory",
+            given.memory && config.memory != saved.memory_size,
+            config.memory_text.clone(),
+            format!("{} MiB of RAM", saved.memory_size >> 20),
+        ),
+        (
+            "--cpus",
+            given.cpus && config.cpus != saved.vcpus,
+            config.cpus.to_string(),
+            saved.vcpus.to_string(),
+        ),
+        (
+            "--irqchip",
+            given.irqchip && irqchip != saved.irqchip,
+            irqchip.to_string(),
+            saved.irqchip.clone(),
+        ),
+    ];
+    match checks.into_iter().find(|(_, differs, _, _)| *differs) {
+        Some((option, _, value, saved_value)) => Err(Error::Option {
+            option,
+            value,
+            reason: format!(
+                "the snapshot's machine has {saved_value} (leave the option out with --restore)"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Binds the `--incoming` listener and says where it listens (the port the system picked
+/// for port 0).
+fn listen_for_migration(addr: &str) -> Result<TcpListener> {
+    let error = |e: std::io::Error| Error::Option {
+        option: "--incoming",
+        value: format!("tcp:{addr}"),
+        reason: e.to_string(),
+    };
+    let listener = TcpListener::bind(addr).map_err(error)?;
+    let local = listener.local_addr().map_err(error)?;
+    eprintln!("listening on {local}");
+    Ok(listener)
 }
 
 /// Writes the firmware tables and loads the kernel: the BSP's entry state.
@@ -453,6 +574,8 @@ fn load_firmware_and_kernel(
         cmdline: config.cmdline.clone(),
         mem_size: config.memory,
         rsdp: Some(rsdp),
+        // A Multiboot command line starts with the kernel's path, as GRUB and QEMU pass it.
+        image_name: Some(path.display().to_string()),
     };
     boot::load_kernel_with_config(
         guest_memory,
@@ -544,6 +667,10 @@ fn build_buses(
         reason: e.to_string(),
     })?;
     let serial = serial.register_com1(&mut pio).map_err(devices_err)?;
+    let serial_output = serial
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .output_queue();
     DebugExit::new(exit.clone())
         .register(&mut pio)
         .map_err(devices_err)?;
@@ -564,6 +691,7 @@ fn build_buses(
     legacy.extend(pit.iter().map(|d| d.clone() as SharedDevice));
     legacy.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
     let devices = PlatformDevices {
+        serial_output,
         legacy,
         pci,
         split: split.cloned(),

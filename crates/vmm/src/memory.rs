@@ -72,8 +72,12 @@ pub fn validate_size(size: u64, text: &str) -> Result<()> {
         value: text.to_string(),
         reason,
     };
-    if size < MIB {
-        return Err(refuse("a guest needs at least 1 MiB of RAM".into()));
+    let min = boot::layout::MIN_MEM_SIZE;
+    if size < min {
+        return Err(refuse(format!(
+            "a guest needs at least {} MiB of RAM",
+            min / MIB
+        )));
     }
     if !size.is_multiple_of(4096) {
         return Err(refuse("must be a multiple of 4 KiB".into()));

@@ -43,6 +43,8 @@ impl IrqChip for IntxPinChip {
 
 /// Every device model of a machine before its lifecycle list is made.
 pub struct PlatformDevices {
+    /// Where COM1's output waits for its writer (absent when it goes nowhere).
+    pub serial_output: Option<Arc<devices::output::OutputQueue>>,
     /// Serial, i8042, fw_cfg, ACPI PM, and the PIT and RTC where the VMM models them.
     pub legacy: Vec<SharedDevice>,
     pub pci: PciHandles,

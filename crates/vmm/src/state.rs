@@ -165,6 +165,9 @@ pub struct MachineState {
     /// bridge and bus stay as built.
     #[serde(skip)]
     pub predates_pci: bool,
+    /// The guest was paused when it was saved: a migration destination keeps it paused.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 /// The devices every machine has had since the PCI platform (format 2); a format 1 state
