@@ -188,7 +188,7 @@ fn open_disk(disk: &DiskConfig, cpus: u32) -> Result<Block> {
     Block::new(options).map_err(|e| Error::Option {
         option: "--disk",
         value: disk.path.display().to_string(),
-        reason: e.to_string(),
+        reason: e.what,
     })
 }
 
