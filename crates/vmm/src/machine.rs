@@ -746,3 +746,44 @@ impl Drop for SignalWatch {
         SIGNAL_WAKE_FD.store(-1, Ordering::SeqCst);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_read(pio: &Bus, reg: u32) -> u32 {
+        assert!(pio.write(0xcf8, &(0x8000_0000 | reg).to_le_bytes()));
+        let mut data = [0u8; 4];
+        assert!(pio.read(0xcfc, &mut data));
+        u32::from_le_bytes(data)
+    }
+
+    /// What the guest changed on the PCI platform comes back through the machine state.
+    #[test]
+    fn pci_platform_round_trips_through_the_machine_state() {
+        let (mut pio, mut mmio) = (Bus::new(), Bus::new());
+        let source = build_pci(256 << 20, &mut pio, &mut mmio).unwrap();
+        assert_eq!(config_read(&pio, 0), 0x1237_8086);
+        // PAM1 and the interrupt line through ECAM, the command register through CF8.
+        assert!(mmio.write(0xe000_005a, &[0x33]));
+        assert!(mmio.write(0xe000_003c, &[0x0b]));
+        assert!(pio.write(0xcf8, &0x8000_0004u32.to_le_bytes()));
+        assert!(pio.write(0xcfc, &[0x02, 0x04]));
+        let saved = source.save().unwrap();
+        let json = serde_json::to_vec(&saved).unwrap();
+
+        let (mut pio, mut mmio) = (Bus::new(), Bus::new());
+        let target = build_pci(256 << 20, &mut pio, &mut mmio).unwrap();
+        target
+            .restore(&serde_json::from_slice(&json).unwrap())
+            .unwrap();
+        assert_eq!(config_read(&pio, 0x58) >> 16 & 0xff, 0x33, "PAM1");
+        assert_eq!(config_read(&pio, 4) & 0xffff, 0x0402, "command");
+        assert_eq!(lock_host_bridge(&target).pam()[1], 0x33);
+        assert_eq!(config_read(&pio, 0x3c) & 0xff, 0x0b, "interrupt line");
+    }
+
+    fn lock_host_bridge(pci: &PciHandles) -> std::sync::MutexGuard<'_, HostBridge> {
+        pci.host_bridge.lock().unwrap()
+    }
+}

@@ -98,15 +98,15 @@ pub struct PciState {
 }
 
 impl PciHandles {
-    fn save(&self) -> Result<PciState> {
+    pub(crate) fn save(&self) -> Result<PciState> {
         let err = |e: devices::LifecycleError| Error::State(format!("PCI: {e}"));
-        Ok(PciState {
-            host_bridge: lock(&self.host_bridge).save().map_err(err)?,
-            bus: self.bus.save().map_err(err)?,
-        })
+        // Separate statements: the bus locks the host bridge too, so its guard must be gone.
+        let host_bridge = lock(&self.host_bridge).save().map_err(err)?;
+        let bus = self.bus.save().map_err(err)?;
+        Ok(PciState { host_bridge, bus })
     }
 
-    fn restore(&self, state: &PciState) -> Result<()> {
+    pub(crate) fn restore(&self, state: &PciState) -> Result<()> {
         lock(&self.host_bridge)
             .restore(&state.host_bridge)
             .map_err(|e| restore_err("PCI host bridge", e))?;
