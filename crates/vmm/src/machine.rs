@@ -540,7 +540,7 @@ fn build_buses(
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
-    let pci = build_pci(config.memory, &mut pio, &mut mmio)?;
+    let pci = build_pci(config.memory, irqchip, &mut pio, &mut mmio)?;
     let handles = DeviceHandles {
         serial,
         i8042,
@@ -562,9 +562,15 @@ fn build_buses(
 
 /// The PCI platform of every machine: bus 0 with the host bridge in slot 0, configuration
 /// mechanism #1 and the I/O BAR window on `pio`, ECAM and the memory BAR windows on `mmio`,
-/// in the windows `boot::layout` fixes (and the firmware tables describe). Functions are
-/// added with `PciBus::add_device` through the returned handle before the vCPUs start.
-fn build_pci(memory: u64, pio: &mut Bus, mmio: &mut Bus) -> Result<PciHandles> {
+/// in the windows `boot::layout` fixes (and the firmware tables describe), INTx lines on
+/// `irqchip`. Functions are added with `PciBus::add_device` through the returned handle
+/// before the vCPUs start; `PciBus::intx_line` gives a function its INTx line.
+fn build_pci(
+    memory: u64,
+    irqchip: &Arc<dyn IrqChip>,
+    pio: &mut Bus,
+    mmio: &mut Bus,
+) -> Result<PciHandles> {
     use boot::layout::{
         pci_mmio64_start, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_IO_SIZE, PCI_IO_START,
         PCI_MMIO32_SIZE, PCI_MMIO32_START, PCI_MMIO64_SIZE,
@@ -576,7 +582,7 @@ fn build_pci(memory: u64, pio: &mut Bus, mmio: &mut Bus) -> Result<PciHandles> {
         mmio64: Window::new(pci_mmio64_start(memory), PCI_MMIO64_SIZE),
         io: Window::new(PCI_IO_START, PCI_IO_SIZE),
     };
-    let bus = Arc::new(PciBus::new(layout).map_err(pci_err)?);
+    let bus = Arc::new(PciBus::new(layout, irqchip.clone()).map_err(pci_err)?);
     let host_bridge = Arc::new(std::sync::Mutex::new(HostBridge::new()));
     bus.add_device_at(0, host_bridge.clone()).map_err(pci_err)?;
     bus.register(pio, mmio)
@@ -762,7 +768,8 @@ mod tests {
     #[test]
     fn pci_platform_round_trips_through_the_machine_state() {
         let (mut pio, mut mmio) = (Bus::new(), Bus::new());
-        let source = build_pci(256 << 20, &mut pio, &mut mmio).unwrap();
+        let irqchip: Arc<dyn IrqChip> = Arc::new(devices::serial::NoIrq);
+        let source = build_pci(256 << 20, &irqchip, &mut pio, &mut mmio).unwrap();
         assert_eq!(config_read(&pio, 0), 0x1237_8086);
         // PAM1 and the interrupt line through ECAM, the command register through CF8.
         assert!(mmio.write(0xe000_005a, &[0x33]));
@@ -773,7 +780,7 @@ mod tests {
         let json = serde_json::to_vec(&saved).unwrap();
 
         let (mut pio, mut mmio) = (Bus::new(), Bus::new());
-        let target = build_pci(256 << 20, &mut pio, &mut mmio).unwrap();
+        let target = build_pci(256 << 20, &irqchip, &mut pio, &mut mmio).unwrap();
         target
             .restore(&serde_json::from_slice(&json).unwrap())
             .unwrap();
