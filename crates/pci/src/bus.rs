@@ -516,7 +516,8 @@ impl PciBus {
             };
             let map = table.map(space);
             if overlaps(map, base, size) {
-                log::debug!(
+                // Trace only: the guest decides how often this happens.
+                log::trace!(
                     "pci: slot {slot} BAR {bar} at {base:#x} overlaps another BAR: not decoding"
                 );
                 continue;
