@@ -25,6 +25,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use devices::bus::{Bus, BusError};
+use devices::irqchip::IrqChip;
 use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
 use serde::{Deserialize, Serialize};
 use vm_allocator::{AddressAllocator, AllocPolicy, RangeInclusive};
@@ -34,7 +35,7 @@ use crate::config::{
     bar_offset, validate_bar, ConfigError, IntxPin, COMMAND, COMMAND_IO, COMMAND_MEMORY,
     INTERRUPT_LINE, INTERRUPT_PIN, NUM_BARS,
 };
-use crate::intx::intx_gsi;
+use crate::intx::{intx_gsi, IntxLine, IntxRouter};
 use crate::{BarKind, BarRequest, PciDevice};
 
 /// Device numbers on bus 0.
@@ -228,6 +229,7 @@ pub struct PciBus {
     allocators: Mutex<Allocators>,
     table: Arc<RwLock<BarTable>>,
     derived: Mutex<Derived>,
+    intx: Arc<IntxRouter>,
 }
 
 fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -240,9 +242,10 @@ fn allocator(w: Window, name: &str) -> Result<AddressAllocator, PciError> {
 }
 
 impl PciBus {
-    /// An empty bus 0 with `layout`'s windows. Slot 0 is for the host bridge
-    /// ([`PciBus::add_device_at`]`(0, ..)`); [`PciBus::add_device`] starts at slot 1.
-    pub fn new(layout: PciLayout) -> Result<Self, PciError> {
+    /// An empty bus 0 with `layout`'s windows, its INTx lines on `irqchip`. Slot 0 is for
+    /// the host bridge ([`PciBus::add_device_at`]`(0, ..)`); [`PciBus::add_device`] starts
+    /// at slot 1.
+    pub fn new(layout: PciLayout, irqchip: Arc<dyn IrqChip>) -> Result<Self, PciError> {
         if layout.ecam.size != ECAM_BUS_SIZE {
             return Err(PciError::Layout(format!(
                 "ECAM window of {:#x} bytes: bus 0 needs {ECAM_BUS_SIZE:#x}",
@@ -260,7 +263,15 @@ impl PciBus {
             allocators: Mutex::new(allocators),
             table: Arc::new(RwLock::new(BarTable::default())),
             derived: Mutex::new(Derived::default()),
+            intx: IntxRouter::new(irqchip),
         })
+    }
+
+    /// The INTx line of `pin` for the function in `slot` (GSI
+    /// [`crate::intx::intx_gsi`]`(slot, pin)`), shared with the other functions on that
+    /// GSI; `None` for a slot that does not exist.
+    pub fn intx_line(&self, slot: u8, pin: IntxPin) -> Option<IntxLine> {
+        self.intx.line(slot, pin)
     }
 
     /// The windows this bus was built with.
@@ -506,7 +517,8 @@ impl PciBus {
             };
             let map = table.map(space);
             if overlaps(map, base, size) {
-                log::debug!(
+                // Trace only: the guest decides how often this happens.
+                log::trace!(
                     "pci: slot {slot} BAR {bar} at {base:#x} overlaps another BAR: not decoding"
                 );
                 continue;

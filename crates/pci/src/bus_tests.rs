@@ -16,6 +16,10 @@ const MMIO32: Window = Window::new(0xc000_0000, 0x2000_0000);
 const MMIO64: Window = Window::new(0x1_0000_0000, 0x10_0000_0000);
 const IO: Window = Window::new(0xc000, 0x4000);
 
+fn no_irq() -> Arc<dyn devices::irqchip::IrqChip> {
+    Arc::new(devices::serial::NoIrq)
+}
+
 fn layout() -> PciLayout {
     PciLayout {
         ecam: Window::new(ECAM, ECAM_BUS_SIZE),
@@ -109,7 +113,7 @@ struct Machine {
 
 impl Machine {
     fn new() -> Machine {
-        let pci = Arc::new(PciBus::new(layout()).unwrap());
+        let pci = Arc::new(PciBus::new(layout(), no_irq()).unwrap());
         pci.add_device_at(0, Arc::new(Mutex::new(HostBridge::new())))
             .unwrap();
         let (mut pio, mut mmio) = (Bus::new(), Bus::new());
@@ -348,7 +352,7 @@ fn bad_requests_and_slots() {
         ecam: Window::new(ECAM, 0x1000),
         ..layout()
     };
-    assert!(PciBus::new(bad_layout).is_err());
+    assert!(PciBus::new(bad_layout, no_irq()).is_err());
 }
 
 #[test]
@@ -666,7 +670,7 @@ fn save_and_restore_bring_placements_back() {
     n.pci.add_device(g2.clone()).unwrap();
     f2.lock().unwrap().restore(&f_saved).unwrap();
     f2.lock().unwrap().moved.clear();
-    let mut bus = PciBus::new(layout()).unwrap();
+    let mut bus = PciBus::new(layout(), no_irq()).unwrap();
     // The Lifecycle entry point takes &mut; the machine's shared bus uses restore_state.
     assert!(
         bus.restore(&saved).is_err(),
@@ -712,4 +716,26 @@ impl XorShift {
         self.0 = x;
         x
     }
+}
+
+#[test]
+fn intx_lines_reach_their_gsis() {
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<(u32, bool)>>);
+    impl devices::irqchip::IrqChip for Recorder {
+        fn set_irq(&self, gsi: u32, level: bool) {
+            self.0.lock().unwrap().push((gsi, level));
+        }
+    }
+    let chip = Arc::new(Recorder::default());
+    let pci = PciBus::new(layout(), chip.clone()).unwrap();
+    let mut a = pci.intx_line(3, IntxPin::A).unwrap();
+    let mut b = pci.intx_line(7, IntxPin::A).unwrap();
+    assert_eq!((a.gsi(), b.gsi()), (19, 19));
+    a.set(true);
+    b.set(true);
+    a.set(false);
+    b.set(false);
+    assert_eq!(*chip.0.lock().unwrap(), vec![(19, true), (19, false)]);
+    assert!(pci.intx_line(32, IntxPin::A).is_none());
 }

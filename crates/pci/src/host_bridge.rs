@@ -13,7 +13,9 @@ use std::sync::Arc;
 use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfigSpace, PciIds, COMMAND, COMMAND_BUS_MASTER, COMMAND_MEMORY};
+use crate::config::{
+    ConfigSpace, ConfigSpaceState, PciIds, COMMAND, COMMAND_BUS_MASTER, COMMAND_MEMORY,
+};
 use crate::{BarRequest, PciDevice};
 
 pub const VENDOR_INTEL: u16 = 0x8086;
@@ -71,12 +73,11 @@ impl Default for HostBridge {
     }
 }
 
-/// The host bridge's saved state.
+/// The host bridge's saved state: its whole configuration space (command, PAM, SMRAM,
+/// interrupt line, ...).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct HostBridgeState {
-    command: u16,
-    pam: [u8; PAM_COUNT],
-    smram: u8,
+    config: ConfigSpaceState,
 }
 
 const STATE_VERSION: u32 = 1;
@@ -140,14 +141,21 @@ impl HostBridge {
         }
     }
 
-    fn load(&mut self, s: &HostBridgeState) {
-        self.config.set_u16(COMMAND, s.command);
-        for (i, &p) in s.pam.iter().enumerate() {
-            self.config.set_u8(PAM_BASE + i, p);
+    /// Checks PAM and SMRAM values a restore would load.
+    fn check_chipset(config: &ConfigSpace) -> Result<(), StateError> {
+        let err = |detail: String| StateError::new("host bridge", detail);
+        for i in 0..PAM_COUNT {
+            let writable = if i == 0 { PAM0_WRITABLE } else { PAM_WRITABLE };
+            let pam = config.read_u8(PAM_BASE + i);
+            if pam & !writable != 0 {
+                return Err(err(format!("PAM{i} = {pam:#x}: reserved bits set")));
+            }
         }
-        self.config.set_u8(SMRAM, s.smram);
-        self.apply_smram_lock();
-        self.tell_listener();
+        let smram = config.read_u8(SMRAM);
+        if smram & !SMRAM_UNLOCKED_WRITABLE != SMRAM_C_BASE_SEG {
+            return Err(err(format!("SMRAM = {smram:#x}")));
+        }
+        Ok(())
     }
 }
 
@@ -185,36 +193,27 @@ impl Lifecycle for HostBridge {
         DeviceState::new(
             STATE_VERSION,
             &HostBridgeState {
-                command: self.config.command(),
-                pam: self.pam(),
-                smram: self.smram(),
+                config: self.config.state(),
             },
         )
     }
 
     fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
         let s: HostBridgeState = state.parse("host bridge", STATE_VERSION)?;
-        let err = |detail: String| StateError::new("host bridge", detail);
-        let mut pam_writable = [PAM_WRITABLE; PAM_COUNT];
-        pam_writable[0] = PAM0_WRITABLE;
-        if let Some(i) = (0..PAM_COUNT).find(|&i| s.pam[i] & !pam_writable[i] != 0) {
-            return Err(err(format!("PAM{i} = {:#x}: reserved bits set", s.pam[i])));
-        }
-        if s.smram & !(SMRAM_UNLOCKED_WRITABLE | SMRAM_C_BASE_SEG) != 0
-            || s.smram & 0b111 != SMRAM_C_BASE_SEG
-        {
-            return Err(err(format!("SMRAM = {:#x}", s.smram)));
-        }
-        self.load(&s);
+        let mut config = self.config.clone();
+        config.restore(&s.config)?;
+        Self::check_chipset(&config)?;
+        self.config = config;
+        self.apply_smram_lock();
+        self.tell_listener();
         Ok(())
     }
 
     fn reset(&mut self) {
-        self.load(&HostBridgeState {
-            command: RESET_COMMAND,
-            pam: [0; PAM_COUNT],
-            smram: SMRAM_C_BASE_SEG,
-        });
+        let listener = self.listener.take();
+        *self = HostBridge::new();
+        self.listener = listener;
+        self.tell_listener();
     }
 }
 
@@ -290,6 +289,7 @@ mod tests {
         hb.config_write(0x58, 1, &[0x10, 0x33]);
         hb.config_write(4, 0, &[0x07, 0x04]);
         hb.config_write(0x70, 2, &[SMRAM_G_SMRAME]);
+        hb.config_write(0x3c, 0, &[0x0b]);
         let saved = hb.save().unwrap();
 
         let mut other = HostBridge::new();
@@ -299,14 +299,19 @@ mod tests {
         assert_eq!(other.pam(), hb.pam());
         assert_eq!(other.config_read(4) & 0xffff, 0x0407);
         assert_eq!(other.smram(), SMRAM_G_SMRAME | 2);
+        assert_eq!(other.config_read(0x3c) & 0xff, 0x0b);
         assert_eq!(rec.0.lock().unwrap().as_slice(), &[hb.pam()]);
 
         let mut bad = saved.clone();
-        bad.data["pam"][0] = 0xff.into();
+        bad.data["config"]["bytes"][PAM_BASE] = 0xff.into();
         assert!(other.restore(&bad).is_err());
         let mut bad = saved.clone();
-        bad.data["smram"] = 0x80.into();
+        bad.data["config"]["bytes"][SMRAM] = 0x80.into();
         assert!(other.restore(&bad).is_err());
+        let mut bad = saved.clone();
+        bad.data["config"]["bytes"][0] = 0x11.into();
+        assert!(other.restore(&bad).is_err(), "another vendor");
+        assert_eq!(other.pam(), hb.pam(), "refused states change nothing");
         let mut bad = saved;
         bad.version = 9;
         assert!(other.restore(&bad).is_err());

@@ -85,6 +85,7 @@ pub trait PciDevice: Lifecycle {
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]);
     /// Serves a guest write inside BAR `bar`.
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]);
-    /// BAR `bar` now decodes at `base` (None: decoding off or unmapped).
+    /// BAR `bar` now decodes at `base` (None: decoding off or unmapped). Called by the
+    /// bus while it holds its configuration lock: must not call back into the bus.
     fn bar_moved(&mut self, _bar: usize, _base: Option<u64>) {}
 }

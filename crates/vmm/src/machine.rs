@@ -35,7 +35,6 @@ use crate::socket::SocketGuard;
 use crate::state::SharedDevice;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
-use pci::IntxRouter;
 
 /// How long the guest's last console output may take to reach its reader at exit.
 const SERIAL_DRAIN_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -708,8 +707,9 @@ fn build_buses(
 
 /// The PCI platform of every machine: bus 0 with the host bridge in slot 0, configuration
 /// mechanism #1 and the I/O BAR window on `pio`, ECAM and the memory BAR windows on `mmio`,
-/// in the windows `boot::layout` fixes (and the firmware tables describe). Functions are
-/// added with `PciBus::add_device` through the returned handle before the vCPUs start.
+/// in the windows `boot::layout` fixes (and the firmware tables describe), INTx lines on
+/// `irqchip`. Functions are added with `PciBus::add_device` through the returned handle
+/// before the vCPUs start; `PciBus::intx_line` gives a function its INTx line.
 fn build_pci(
     memory: u64,
     irqchip: &Arc<dyn IrqChip>,
@@ -727,16 +727,12 @@ fn build_pci(
         mmio64: Window::new(pci_mmio64_start(memory), PCI_MMIO64_SIZE),
         io: Window::new(PCI_IO_START, PCI_IO_SIZE),
     };
-    let bus = Arc::new(PciBus::new(layout).map_err(pci_err)?);
+    let bus = Arc::new(PciBus::new(layout, irqchip.clone()).map_err(pci_err)?);
     let host_bridge = Arc::new(std::sync::Mutex::new(HostBridge::new()));
     bus.add_device_at(0, host_bridge.clone()).map_err(pci_err)?;
     bus.register(pio, mmio)
         .map_err(|e| Error::Devices(format!("PCI: {e}")))?;
-    Ok(PciHandles {
-        bus,
-        host_bridge,
-        intx: IntxRouter::new(irqchip.clone()),
-    })
+    Ok(PciHandles { bus, host_bridge })
 }
 
 /// Register state for a 32-bit flat protected-mode entry with paging off, which every boot
@@ -899,5 +895,59 @@ impl SignalWatch {
 impl Drop for SignalWatch {
     fn drop(&mut self) {
         SIGNAL_WAKE_FD.store(-1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_read(pio: &Bus, reg: u32) -> u32 {
+        assert!(pio.write(0xcf8, &(0x8000_0000 | reg).to_le_bytes()));
+        let mut data = [0u8; 4];
+        assert!(pio.read(0xcfc, &mut data));
+        u32::from_le_bytes(data)
+    }
+
+    /// What the guest changed on the PCI platform comes back through the machine state.
+    #[test]
+    fn pci_platform_round_trips_through_the_machine_state() {
+        let (mut pio, mut mmio) = (Bus::new(), Bus::new());
+        let irqchip: Arc<dyn IrqChip> = Arc::new(devices::serial::NoIrq);
+        let source = build_pci(256 << 20, &irqchip, &mut pio, &mut mmio).unwrap();
+        assert_eq!(config_read(&pio, 0), 0x1237_8086);
+        // PAM1 and the interrupt line through ECAM, the command register through CF8.
+        assert!(mmio.write(0xe000_005a, &[0x33]));
+        assert!(mmio.write(0xe000_003c, &[0x0b]));
+        assert!(pio.write(0xcf8, &0x8000_0004u32.to_le_bytes()));
+        assert!(pio.write(0xcfc, &[0x02, 0x04]));
+        let saved = as_list(&source).save().unwrap();
+        let json = serde_json::to_vec(&saved).unwrap();
+
+        let (mut pio, mut mmio) = (Bus::new(), Bus::new());
+        let target = build_pci(256 << 20, &irqchip, &mut pio, &mut mmio).unwrap();
+        as_list(&target)
+            .restore(&serde_json::from_slice(&json).unwrap())
+            .unwrap();
+        assert_eq!(config_read(&pio, 0x58) >> 16 & 0xff, 0x33, "PAM1");
+        assert_eq!(config_read(&pio, 4) & 0xffff, 0x0402, "command");
+        assert_eq!(lock_host_bridge(&target).pam()[1], 0x33);
+        assert_eq!(config_read(&pio, 0x3c) & 0xff, 0x0b, "interrupt line");
+    }
+
+    /// A machine's lifecycle list holding only the PCI platform.
+    fn as_list(pci: &PciHandles) -> crate::state::DeviceList {
+        PlatformDevices {
+            serial_output: None,
+            legacy: Vec::new(),
+            pci: pci.clone(),
+            split: None,
+        }
+        .into_list(Vec::new())
+        .unwrap()
+    }
+
+    fn lock_host_bridge(pci: &PciHandles) -> std::sync::MutexGuard<'_, HostBridge> {
+        pci.host_bridge.lock().unwrap()
     }
 }

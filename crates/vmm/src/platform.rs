@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, SplitIrqChipHandle};
 use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
 use hypervisor::{Capabilities, Vm};
-use pci::{HostBridge, IntxLine, IntxPin, IntxRouter, PciBus};
+use pci::{HostBridge, IntxLine, IntxPin, PciBus};
 use virtio::block::{Block, BlockOptions, CacheMode};
 use virtio::console::{Console, ConsoleInput, ConsoleOutput};
 use virtio::rng::Rng;
@@ -23,12 +23,11 @@ use crate::state::{DeviceList, SharedDevice};
 /// Highest GSI handed to device MSI routes (KVM's routing table holds 4096 entries).
 const MAX_MSI_GSI: u32 = 4096;
 
-/// PCI bus 0, its host bridge, and the shared INTx lines of its functions.
+/// PCI bus 0 and its host bridge.
 #[derive(Clone)]
 pub struct PciHandles {
     pub bus: Arc<PciBus>,
     pub host_bridge: Arc<Mutex<HostBridge>>,
-    pub intx: Arc<IntxRouter>,
 }
 
 /// One function's INTx pin as the interrupt line a transport drives: levels go through the
@@ -149,8 +148,8 @@ fn plug(
         .map_err(pci_err)?;
     let line = ctx
         .pci
-        .intx
-        .line(slot, IntxPin::A)
+        .bus
+        .intx_line(slot, IntxPin::A)
         .ok_or(pci::PciError::BadSlot(slot))
         .map_err(pci_err)?;
     let intx = IrqPin::new(
