@@ -247,8 +247,12 @@ impl Supervisor {
     }
 
     /// Enters [`RunState::Stopping`]; the caller then ends the machine. Refused while
-    /// another operation is in progress (cancel a migration first).
+    /// another operation is in progress (cancel a migration first); a machine already
+    /// stopping (the guest powered off meanwhile) is not an error.
     pub fn shutdown(&self) -> Result<()> {
+        if lock(&self.inner).state == RunState::Stopping {
+            return Ok(());
+        }
         let busy = self.begin(Operation::Shutdown)?;
         busy.settle(RunState::Stopping);
         Ok(())
@@ -451,5 +455,7 @@ mod tests {
         assert_eq!(sup.resume(true).unwrap(), RunState::Running);
         sup.shutdown().unwrap();
         assert_eq!(conflict_text(sup.pause()), "the VM is shutting down");
+        // Shutting down twice (or after the guest ended) is not an error.
+        sup.shutdown().unwrap();
     }
 }
