@@ -164,9 +164,43 @@ fn bad_options_are_refused_with_one_line() {
     bad_run(&["run", "--kernel", k, "--cpus", "100000"]).expect_error("--cpus");
     bad_run(&["run", "--kernel", k, "--bogus"]).expect_error("--bogus");
     bad_run(&["run", "--kernel", k, "--serial", "tcp:1"]).expect_error("--serial");
-    bad_run(&["run", "--kernel", k, "--disk", "/dev/null"]).expect_error("not supported yet");
+    bad_run(&["run", "--kernel", k, "--disk", "/dev/null"])
+        .expect_error("--disk /dev/null: not a regular file or a block device");
+    bad_run(&["run", "--kernel", k, "--net", "tap=t0"]).expect_error("not supported yet");
     bad_run(&["run", "--kernel", k, "--accel", "bhyve"]).expect_error("/dev/vmm");
     bad_run(&["frobnicate"]).expect_error("frobnicate");
+}
+
+/// Sizes and counts are parsed strictly and checked up front: `--memory 512B` used to mean
+/// 512 MiB, `--initrd /dev/zero` was read as an empty initrd, and more vCPUs than the
+/// firmware tables can describe were accepted.
+#[test]
+fn sizes_counts_and_files_are_checked_strictly() {
+    let kernel = guest("hello");
+    let k = kernel.to_str().unwrap();
+    bad_run(&["run", "--kernel", k, "--memory", "512B"])
+        .expect_error("--memory 512B: a guest needs at least 2 MiB of RAM");
+    for unclear in ["512MB", "1Gi", "2 G", "512m5"] {
+        bad_run(&["run", "--kernel", k, "--memory", unclear])
+            .expect_error(&format!("--memory {unclear}: expected a size"));
+    }
+    bad_run(&["run", "--kernel", k, "--memory", "4098K"])
+        .expect_error("must be a multiple of 4 KiB");
+    bad_run(&["run", "--kernel", k, "--cpus", "255"]).expect_error("--cpus 255: at most 254 vCPUs");
+    bad_run(&["run", "--kernel", k, "--initrd", "/dev/zero"])
+        .expect_error("initrd must be a regular file; this is a device node");
+    // Units that mean what they say.
+    let run = run_guest("hello", &["--memory", "262144KiB"]);
+    run.expect_status(0)
+        .expect_stdout("ferrovm hello: 1 vCPU(s), 256 MiB RAM");
+}
+
+/// A command line may begin with a dash (it used to be taken for an unknown option).
+#[test]
+fn a_command_line_may_begin_with_a_dash() {
+    let run = run_guest("hello", &["--cmdline", "-v greeting=dash"]);
+    run.expect_status(0)
+        .expect_stdout("cmdline: -v greeting=dash");
 }
 
 #[test]
@@ -235,4 +269,102 @@ fn both_boot_protocols_see_the_same_machine() {
         maps.push(map);
     }
     assert_eq!(maps[0], maps[1], "the RAM map differs between protocols");
+}
+
+/// A tiny Multiboot kernel as test suites build them for QEMU's `-kernel`: linked at
+/// `link_addr` (below 1 MiB), it prints the command line it was given and exits through the
+/// debug-exit port with `code`, written as a `width`-byte value whose low byte is `code`.
+fn tiny_multiboot_kernel(dir: &std::path::Path, link_addr: u32, width: u8, code: u8) -> String {
+    let source = dir.join(format!("mb-{link_addr:x}-{width}.S"));
+    let out_instruction = match width {
+        1 => "outb %al, %dx",
+        2 => "outw %ax, %dx",
+        _ => "outl %eax, %dx",
+    };
+    std::fs::write(
+        &source,
+        format!(
+            r#"	.text
+	.code32
+	.globl _start
+	.align 4
+	.long 0x1BADB002, 0x00000003, -(0x1BADB002 + 0x00000003)
+_start:
+	cmp $0x2BADB002, %eax
+	jne fail
+	testl $4, (%ebx)
+	jz fail
+	mov 16(%ebx), %esi
+	mov $0x3f8, %dx
+1:	movb (%esi), %al
+	test %al, %al
+	jz 2f
+	outb %al, %dx
+	inc %esi
+	jmp 1b
+2:	movb $'\n', %al
+	outb %al, %dx
+	mov $0xf4, %dx
+	mov ${wide}, %eax
+	{out_instruction}
+	hlt
+fail:	mov $0xf4, %dx
+	mov $0x99, %al
+	outb %al, %dx
+	hlt
+"#,
+            wide = 0x1234_5600u32 | u32::from(code),
+        ),
+    )
+    .unwrap();
+    let object = source.with_extension("o");
+    let elf = source.with_extension("elf");
+    let gcc = std::process::Command::new("gcc")
+        .args(["-m32", "-c", "-o"])
+        .arg(&object)
+        .arg(&source)
+        .status()
+        .expect("gcc (the guests need it too)");
+    assert!(gcc.success());
+    let ld = std::process::Command::new("ld")
+        .args(["-m", "elf_i386", "-N", "-e", "_start", "--build-id=none"])
+        .arg(format!("-Ttext={link_addr:#x}"))
+        .arg("-o")
+        .arg(&elf)
+        .arg(&object)
+        .output()
+        .expect("ld");
+    assert!(
+        ld.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ld.stderr)
+    );
+    elf.to_str().unwrap().to_string()
+}
+
+/// Test kernels built for QEMU's `-kernel` run unchanged: linked at 0x8000 (they used to be
+/// refused for overlapping the boot structures), given "KERNEL-PATH ARGS" as their Multiboot
+/// command line, exiting with a 1-, 2- or 4-byte write to isa-debug-exit's port 0xf4 (wider
+/// writes used to be ignored), with a command line that begins with a dash.
+#[test]
+fn qemu_style_multiboot_kernels_run_unchanged() {
+    require_kvm();
+    let dir = tempdir();
+    for (link, width, code) in [(0x8000u32, 4u8, 5u8), (0x8000, 2, 6), (0x10_0000, 1, 7)] {
+        let kernel = tiny_multiboot_kernel(&dir, link, width, code);
+        let run = ferrovm(
+            &[
+                "run",
+                "--kernel",
+                &kernel,
+                "--cmdline",
+                "-v a=1",
+                "--memory",
+                "32M",
+            ],
+            Duration::from_secs(60),
+        );
+        run.expect_status(i32::from(code) << 1 | 1)
+            .expect_stdout(&format!("{kernel} -v a=1"));
+    }
 }

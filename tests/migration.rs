@@ -165,9 +165,11 @@ fn snapshot_and_restore_continue_where_the_guest_was() {
     let dir = scratch("snapshot");
     let mut source = start_dirty_source(&dir, &["--memory", "256M", "--cpus", "2"], 32);
     let snap = dir.join("vm.snap");
+    // The guest reports its pass now and then, and runs on while the file is synced and
+    // renamed: the snapshot holds a pass at least as far as the last one reported before.
+    let before_snapshot = last_pass(&source.output());
     let run = source.ctl(&["--json", "snapshot", snap.to_str().unwrap()]);
     run.expect_status(0);
-    let at_snapshot = last_pass(&source.output());
     assert!(source.running(), "the source runs on after a snapshot");
     source.ctl(&["shutdown"]).expect_status(0);
     let (status, _) = source.wait(Duration::from_secs(30));
@@ -199,8 +201,8 @@ fn snapshot_and_restore_continue_where_the_guest_was() {
         .next()
         .unwrap();
     assert!(
-        first + 1 >= at_snapshot,
-        "restored at pass {first}, snapshot taken around pass {at_snapshot}"
+        first + 1 >= before_snapshot,
+        "restored at pass {first}, snapshot taken after pass {before_snapshot}"
     );
     restored.ctl(&["shutdown"]).expect_status(0);
 }
@@ -801,4 +803,531 @@ fn warm_migration_pauses_copies_and_resumes_on_the_destination() {
     );
     assert_intact(&dest.output());
     dest.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// `ferrovm ctl` against a socket, from any thread.
+fn ctl_at(socket: &Path, args: &[&str]) -> Run {
+    let s = socket.to_str().unwrap();
+    let mut all = vec!["ctl", "--api-socket", s];
+    all.extend_from_slice(args);
+    ferrovm(&all, Duration::from_secs(300))
+}
+
+fn json_of(run: &Run) -> serde_json::Value {
+    serde_json::from_str(run.stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {}\n{}", run.stdout, run.stderr))
+}
+
+/// Waits until `status` reports `operation`; false if `done` says it ended first.
+fn wait_for_operation(vm: &Vm, operation: &str, mut done: impl FnMut() -> bool) -> bool {
+    loop {
+        let status = json_of(&vm.ctl(&["--json", "status"]));
+        if status["operation"] == operation {
+            return true;
+        }
+        if done() {
+            return false;
+        }
+    }
+}
+
+/// Every state change is refused while a snapshot is written (a `resume` used to un-pause
+/// the guest under it, so that the file failed its checksums at restore; a `pause` replied
+/// "paused" and the guest ran again when the snapshot ended); the snapshot restores intact.
+#[test]
+fn state_changes_during_a_snapshot_are_refused() {
+    let dir = scratch("snaprace");
+    let source = start_dirty_source(&dir, &["--memory", "512M"], 256);
+    let snap = dir.join("vm.snap");
+    let (socket, file) = (source.socket.clone().unwrap(), snap.clone());
+    let writer = std::thread::spawn(move || {
+        ctl_at(&socket, &["--json", "snapshot", file.to_str().unwrap()])
+    });
+    assert!(
+        wait_for_operation(&source, "snapshot", || writer.is_finished()),
+        "the snapshot ended before status showed it"
+    );
+    for request in [&["resume"][..], &["pause"], &["shutdown"]] {
+        let run = source.ctl(request);
+        assert_eq!(run.status, Some(2), "{request:?} was not refused");
+        assert!(
+            run.stderr.contains("a snapshot is in progress"),
+            "{request:?}: {}",
+            run.stderr
+        );
+    }
+    writer.join().unwrap().expect_status(0);
+    let status = json_of(&source.ctl(&["--json", "status"]));
+    assert_eq!(status["state"], "running", "{status}");
+    source.ctl(&["shutdown"]).expect_status(0);
+    drop(source);
+
+    let restored = Vm::start(
+        &["--restore", snap.to_str().unwrap()],
+        &dir,
+        "restored",
+        true,
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&restored.output()) >= 2,
+        "the restored guest's progress",
+    );
+    assert_intact(&restored.output());
+    restored.ctl(&["shutdown"]).expect_status(0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A warm migration pauses the guest for its whole copy: a `resume` then is refused (it
+/// used to un-pause the guest mid-copy).
+#[test]
+fn resume_during_a_warm_migration_is_refused() {
+    let dir = scratch("warmrace");
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--memory", "512M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let mut source = start_dirty_source(&dir, &["--memory", "512M"], 128);
+    let socket = source.socket.clone().unwrap();
+    let target = listen.clone();
+    let migration = std::thread::spawn(move || {
+        // Slow enough for the requests below to land during the copy.
+        ctl_at(
+            &socket,
+            &["migrate", "--warm", &target, "--max-bandwidth", "100000000"],
+        )
+    });
+    assert!(
+        wait_for_operation(&source, "migration", || migration.is_finished()),
+        "the migration ended before status showed it"
+    );
+    let run = source.ctl(&["resume"]);
+    assert_eq!(run.status, Some(2), "resume was not refused");
+    assert!(
+        run.stderr.contains("a migration is in progress"),
+        "{}",
+        run.stderr
+    );
+    migration.join().unwrap().expect_status(0);
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) >= 1,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// A paused guest is snapshotted and migrated paused: it stays paused here after the
+/// snapshot and after a failed migration, and on the destination after a successful one.
+#[test]
+fn a_paused_guest_is_snapshotted_and_migrated_and_stays_paused() {
+    let dir = scratch("paused");
+    let source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    source.ctl(&["pause"]).expect_status(0);
+    let at_pause = last_pass(&source.output());
+    let snap = dir.join("vm.snap");
+    source
+        .ctl(&["snapshot", snap.to_str().unwrap()])
+        .expect_status(0);
+    assert_eq!(
+        json_of(&source.ctl(&["--json", "status"]))["state"],
+        "paused"
+    );
+
+    // A destination that refuses (another memory size): the guest stays paused.
+    let mut wrong = Vm::start(
+        &["--incoming", "tcp:127.0.0.1:0", "--memory", "512M"],
+        &dir,
+        "wrong",
+        false,
+    );
+    let listen = format!("tcp:127.0.0.1:{}", listening_port(&mut wrong));
+    let run = source.ctl(&["migrate", &listen]);
+    assert_eq!(run.status, Some(2), "{}", run.stdout);
+    assert!(run.stderr.contains("stays paused"), "{}", run.stderr);
+    assert_eq!(
+        json_of(&source.ctl(&["--json", "status"]))["state"],
+        "paused"
+    );
+    drop(wrong);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        last_pass(&source.output()),
+        at_pause,
+        "the paused guest ran"
+    );
+
+    // A live migration of the paused guest: it arrives paused and runs once resumed there.
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--memory", "256M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let mut source = source;
+    source.ctl(&["migrate", &listen]).expect_status(0);
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    assert_eq!(json_of(&dest.ctl(&["--json", "status"]))["state"], "paused");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        last_pass(&dest.output()) == 0,
+        "the destination ran the paused guest"
+    );
+    dest.ctl(&["resume"]).expect_status(0);
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > at_pause,
+        "the migrated guest's progress once resumed",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+
+    // The snapshot of the paused guest restores and runs.
+    let restored = Vm::start(
+        &["--restore", snap.to_str().unwrap()],
+        &dir,
+        "restored",
+        true,
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&restored.output()) > at_pause,
+        "the restored guest's progress",
+    );
+    assert_intact(&restored.output());
+    restored.ctl(&["shutdown"]).expect_status(0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// SIGTERM while a snapshot is written: the hidden temporary file (as large as the guest's
+/// touched memory) is removed, not left behind.
+#[test]
+fn sigterm_during_a_snapshot_leaves_no_temporary_file() {
+    let dir = scratch("snapterm");
+    let mut source = start_dirty_source(&dir, &["--memory", "512M"], 256);
+    let snap = dir.join("vm.snap");
+    let (socket, file) = (source.socket.clone().unwrap(), snap.clone());
+    let writer = std::thread::spawn(move || {
+        ctl_at(&socket, &["--json", "snapshot", file.to_str().unwrap()])
+    });
+    assert!(
+        wait_for_operation(&source, "snapshot", || writer.is_finished()),
+        "the snapshot ended before status showed it"
+    );
+    // SAFETY: signalling our own child, not reaped yet.
+    unsafe { libc::kill(source.child.id() as i32, libc::SIGTERM) };
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(128 + libc::SIGTERM));
+    let _ = writer.join();
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The "listening on HOST:PORT" line of a destination started with port 0.
+fn listening_port(vm: &mut Vm) -> u16 {
+    use std::io::BufRead;
+    let stderr = vm.child.stderr.take().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(stderr)
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .trim()
+        .strip_prefix("listening on 127.0.0.1:")
+        .unwrap_or_else(|| panic!("no listening line: {line:?}"));
+    port.parse().unwrap()
+}
+
+/// A destination waiting with `--incoming tcp:127.0.0.1:0` says which port it got, and
+/// connections that close at once or send garbage are logged and the wait goes on (one used
+/// to end the destination); then a real migration arrives.
+#[test]
+fn stray_connections_do_not_end_the_waiting_destination() {
+    let dir = scratch("stray");
+    let mut dest = Vm::start(
+        &["--incoming", "tcp:127.0.0.1:0", "--memory", "256M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let port = listening_port(&mut dest);
+    drop(TcpStream::connect(("127.0.0.1", port)).unwrap());
+    let mut garbage = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    garbage
+        .write_all(b"GET / HTTP/1.0\r\nHost: localhost\r\nAccept: */*\r\n\r\n")
+        .unwrap();
+    let mut reply = Vec::new();
+    let _ = garbage.read_to_end(&mut reply);
+    drop(garbage);
+    // One that says nothing at all.
+    let silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(dest.running(), "a stray connection ended the destination");
+
+    let mut source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    let before = last_pass(&source.output());
+    let listen = format!("tcp:127.0.0.1:{port}");
+    source.ctl(&["migrate", &listen]).expect_status(0);
+    drop(silent);
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > before,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// A fake destination whose refusal carries terminal escape codes: `ctl` prints them
+/// escaped (they used to reach the terminal raw).
+#[test]
+fn a_peers_escape_codes_never_reach_the_terminal() {
+    let dir = scratch("escapes");
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    let refuser = std::thread::spawn(move || {
+        let (mut conn, _) = fake.accept().unwrap();
+        // Header and Config arrive first; then the refusal, as the reply channel carries it.
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf);
+        let frame = migration::encode_frame(&migration::Frame::Error(
+            "no\u{1b}[2J\u{1b}]0;owned\u{7}".into(),
+        ))
+        .unwrap();
+        conn.write_all(&frame).unwrap();
+        let _ = conn.read(&mut buf);
+    });
+    let source = start_dirty_source(&dir, &["--memory", "64M"], 8);
+    let run = source.ctl(&["migrate", &format!("tcp:127.0.0.1:{port}")]);
+    assert_eq!(run.status, Some(2));
+    assert!(!run.stderr.contains('\u{1b}'), "{:?}", run.stderr);
+    assert!(run.stderr.contains("no\\u{1b}[2J"), "{}", run.stderr);
+    refuser.join().unwrap();
+    source.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// Ctrl-C on `ctl migrate` cancels the migration: the guest runs on here. And
+/// `ctl migrate-cancel` stops a migration of a paused guest, which stays paused.
+#[test]
+fn a_migration_is_cancelled_and_the_guest_is_left_as_it_was() {
+    let dir = scratch("cancel");
+    let mut dests = Vec::new();
+    let mut start_dest = |name: &str| {
+        let port = free_port();
+        let listen = format!("tcp:127.0.0.1:{port}");
+        dests.push(Vm::start(
+            &["--incoming", &listen, "--memory", "256M"],
+            &dir,
+            name,
+            false,
+        ));
+        listen
+    };
+    let source = start_dirty_source(&dir, &["--memory", "256M"], 64);
+    let socket = source.socket.clone().unwrap();
+    let s = socket.to_str().unwrap().to_string();
+    let listen = start_dest("dest1");
+    let slow = ["--max-bandwidth", "4000000"];
+    let args = [&["ctl", "--api-socket", &s, "migrate", &listen][..], &slow].concat();
+    let run = ferrovm_with(&args, Duration::from_secs(120), |pid| {
+        wait_until(
+            Duration::from_secs(30),
+            || !json_of(&source.ctl(&["--json", "status"]))["migration"].is_null(),
+            "the migration's first progress report",
+        );
+        // SAFETY: pid is the ctl child, not reaped yet.
+        unsafe { libc::kill(pid, libc::SIGINT) };
+    });
+    assert_eq!(run.status, Some(2), "{}", run.stdout);
+    assert!(
+        run.stderr
+            .contains("cancelled (the guest keeps running here)"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        json_of(&source.ctl(&["--json", "status"]))["state"],
+        "running"
+    );
+    let after = last_pass(&source.output());
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&source.output()) > after,
+        "the source guest's progress after the cancelled migration",
+    );
+
+    source.ctl(&["pause"]).expect_status(0);
+    let listen = start_dest("dest2");
+    let migration =
+        std::thread::spawn(move || ctl_at(&socket, &[&["migrate", &listen][..], &slow].concat()));
+    assert!(
+        wait_for_operation(&source, "migration", || migration.is_finished()),
+        "the migration ended before status showed it"
+    );
+    source.ctl(&["migrate-cancel"]).expect_status(0);
+    let run = migration.join().unwrap();
+    assert!(
+        run.stderr
+            .contains("cancelled (the guest stays paused here)"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        json_of(&source.ctl(&["--json", "status"]))["state"],
+        "paused"
+    );
+    source
+        .ctl(&["migrate-cancel"])
+        .expect_error("no migration is in progress");
+    source.ctl(&["resume"]).expect_status(0);
+    assert_intact(&source.output());
+    source.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// Forwards a migration both ways, but swallows the destination's final `Ack` and then
+/// closes the source's connection: the acknowledgement lost in the network.
+fn ack_swallowing_relay(to: u16) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let (mut src, _) = listener.accept().unwrap();
+        let mut dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
+        let (mut src_r, mut dst_w) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut src_r, &mut dst_w);
+        });
+        // Reply frames: kind, flags, 2 reserved, u32 length, payload, CRC-32.
+        loop {
+            let mut header = [0u8; 8];
+            if dst.read_exact(&mut header).is_err() {
+                break;
+            }
+            let len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+            let mut rest = vec![0u8; len + 4];
+            if dst.read_exact(&mut rest).is_err() {
+                break;
+            }
+            if header[0] == migration::Kind::Ack as u8 {
+                break;
+            }
+            if src
+                .write_all(&header)
+                .and_then(|_| src.write_all(&rest))
+                .is_err()
+            {
+                break;
+            }
+        }
+        let _ = src.shutdown(Shutdown::Both);
+    });
+    port
+}
+
+/// The final acknowledgement is lost: the destination runs the guest, so the source must not
+/// (both used to run it). The source keeps it paused, says the outcome is unknown, and
+/// resumes only when forced.
+#[test]
+fn a_lost_final_ack_never_lets_the_guest_run_twice() {
+    let dir = scratch("lostack");
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--memory", "256M"],
+        &dir,
+        "dest",
+        true,
+    );
+    let source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    let relay = ack_swallowing_relay(port);
+    let run = source.ctl(&["migrate", &format!("tcp:127.0.0.1:{relay}")]);
+    assert_eq!(run.status, Some(2), "{}", run.stdout);
+    assert!(
+        run.stderr
+            .contains("outcome unknown: the destination may be running the guest"),
+        "{}",
+        run.stderr
+    );
+    let status = json_of(&source.ctl(&["--json", "status"]));
+    assert_eq!(status["state"], "migration-outcome-unknown", "{status}");
+    source
+        .ctl(&["status"])
+        .expect_stdout("migration-outcome-unknown");
+    let refused = source.ctl(&["resume"]);
+    assert_eq!(refused.status, Some(2));
+    assert!(refused.stderr.contains("--force"), "{}", refused.stderr);
+    // The destination runs the guest; the source's copy stays still.
+    let at_source = last_pass(&source.output());
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > at_source,
+        "the destination's progress",
+    );
+    assert_eq!(last_pass(&source.output()), at_source, "the source ran too");
+    assert_intact(&dest.output());
+    // The operator decides: here, the source copy goes.
+    source.ctl(&["shutdown"]).expect_status(0);
+    dest.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// `--restore` with options the snapshot decides: boot-only options are refused, and a shape
+/// option must match the snapshot's machine, naming both values (they were ignored).
+#[test]
+fn restore_refuses_options_it_would_ignore() {
+    let dir = scratch("restoreopts");
+    let good = small_snapshot_file(&dir);
+    let g = good.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let args = [&["run", "--restore", g, "--serial", "none"][..], extra].concat();
+        ferrovm(&args, Duration::from_secs(60))
+    };
+    run(&["--cmdline", "x=1"]).expect_error("--cmdline cannot be used with --restore");
+    let initrd = dir.join("initrd");
+    std::fs::write(&initrd, b"initrd").unwrap();
+    run(&["--initrd", initrd.to_str().unwrap()])
+        .expect_error("--initrd cannot be used with --restore");
+    run(&["--kernel", g]).expect_error("--kernel");
+    run(&["--memory", "128M"])
+        .expect_error("--memory 128M: the snapshot's machine has 64 MiB of RAM");
+    run(&["--cpus", "2"]).expect_error("--cpus 2: the snapshot's machine has 1");
+    run(&["--irqchip", "split"]).expect_error("--irqchip split: the snapshot's machine has kernel");
+    // Matching values are fine.
+    let mut vm = Vm::start(
+        &[
+            "--restore",
+            g,
+            "--memory",
+            "64M",
+            "--cpus",
+            "1",
+            "--irqchip",
+            "kernel",
+        ],
+        &dir,
+        "matching",
+        false,
+    );
+    wait_until(
+        Duration::from_secs(30),
+        || vm.output().contains(" ok"),
+        "a tick of the restored guest",
+    );
+    assert!(vm.running());
+    let _ = std::fs::remove_dir_all(&dir);
 }

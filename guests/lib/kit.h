@@ -404,4 +404,443 @@ bool rtc_present(void);				/* register D reads 0x80 */
 /* ---- end of I/O APIC, 8259 PIC, PIT, RTC ---- */
 /* ==================================================================== */
 
+/* ==================================================================== */
+/* ---- DMA memory, ACPI, PCI, MSI-X, virtio (lib/dma.c, lib/pci.c, lib/msix.c, lib/virtio.c) ---- */
+/*
+ * Everything here works at CPL 0 and CPL 3 (configuration ports are open in
+ * the TSS bitmap, MMIO and RAM are user-accessible): drivers run in ring 3,
+ * where code is native on PVM hosts.  Single-CPU set-up unless said: the
+ * CF8/CFC pair and the allocator take a lock, a virtqueue belongs to one CPU.
+ */
+
+/* Zeroed, identity-mapped RAM for rings and buffers (phys == virt), from a
+ * bump pool that starts 2 MiB above the image (past what boot loaders put
+ * after it; "dma_base=" overrides) and never frees.  `align` is a power of
+ * two; fails the guest if the pool leaves RAM. */
+void *dma_alloc(size_t size, size_t align);
+u64 dma_pool_used(void);			/* bytes handed out so far */
+
+/* A time limit that counts only time the guest saw pass: the TSC advance
+ * between two polls is capped at 10 ms, so a VM paused for a snapshot or a
+ * migration does not expire it.  Poll often (every few microseconds). */
+struct timeout {
+	u64 last, left;				/* TSC ticks */
+};
+void timeout_start(struct timeout *t, u64 us);
+bool timeout_expired(struct timeout *t);	/* true once `us` of guest time passed */
+
+/* ---- ACPI ---- */
+struct acpi_sdt_header {
+	char signature[4];
+	u32 length;
+	u8 revision, checksum;
+	char oem_id[6], oem_table_id[8];
+	u32 oem_revision, creator_id, creator_revision;
+} __attribute__((packed));
+/* RSDP: the boot info's (PVH rsdp_paddr) if any, else a scan of the EBDA's
+ * first KiB and 0xE0000-0xFFFFF; checksums verified.  0 if none. */
+u64 acpi_rsdp(void);
+/* A table by signature through the XSDT (revision >= 2) or the RSDT, its
+ * checksum verified; NULL if absent. */
+const struct acpi_sdt_header *acpi_find_table(const char sig[4]);
+
+/* ---- PCI, bus 0 ---- */
+#define PCI_MECH_CF8		1	/* configuration mechanism #1, ports 0xcf8/0xcfc */
+#define PCI_MECH_ECAM		2	/* memory-mapped (MMCONFIG), base from the MCFG */
+#define PCI_CFG_ADDR_PORT	0xcf8
+#define PCI_CFG_DATA_PORT	0xcfc
+#define PCI_VENDOR_ID		0x00
+#define PCI_DEVICE_ID		0x02
+#define PCI_COMMAND		0x04
+#define PCI_STATUS		0x06
+#define PCI_REVISION		0x08
+#define PCI_HEADER_TYPE		0x0e
+#define PCI_BAR0		0x10
+#define PCI_SUBSYS_VENDOR	0x2c
+#define PCI_SUBSYS_ID		0x2e
+#define PCI_CAP_PTR		0x34
+#define PCI_INT_LINE		0x3c
+#define PCI_INT_PIN		0x3d
+#define PCI_CMD_IO		0x0001
+#define PCI_CMD_MEM		0x0002
+#define PCI_CMD_MASTER		0x0004
+#define PCI_CMD_INTX_DISABLE	0x0400
+#define PCI_STATUS_CAP_LIST	0x0010
+#define PCI_CAP_ID_MSI		0x05
+#define PCI_CAP_ID_VNDR		0x09
+#define PCI_CAP_ID_MSIX		0x11
+#define PCI_BDF(bus, dev, fn)	((u16)((bus) << 8 | (dev) << 3 | (fn)))
+
+enum pci_bar_kind { PCI_BAR_NONE, PCI_BAR_IO, PCI_BAR_MEM32, PCI_BAR_MEM64 };
+struct pci_bar {
+	u64 addr;		/* as programmed; 0 = unassigned */
+	u64 size;		/* from sizing; 0 = not implemented */
+	u8 kind;		/* enum pci_bar_kind; the upper half of a 64-bit BAR is NONE */
+	bool prefetchable;
+};
+struct pci_dev {
+	u16 bdf;
+	u16 vendor, device, subsys_vendor, subsys_id;
+	u8 class_code, subclass, prog_if, revision, header_type;
+	u8 int_pin, int_line;
+	struct pci_bar bar[6];
+};
+#define PCI_MAX_DEVS		64
+
+/* Finds the ECAM base of segment 0 / bus 0 in the MCFG; false if none. */
+bool pci_ecam_lookup(u64 *base, u8 *bus_start, u8 *bus_end);
+/* Chooses the access mechanism for the pci_cfg_* calls: PCI_MECH_ECAM if the
+ * MCFG declares one (or the command line gives "ecam=ADDR", for platforms
+ * without an MCFG) and `prefer` allows it, else CF8.  Returns the one chosen.
+ * pci_cfg_* without pci_init() use CF8. */
+int pci_init(int prefer);
+int pci_mech(void);
+u64 pci_ecam_base(void);		/* 0 without an MCFG */
+/* Configuration space through the chosen mechanism (CF8: offsets < 256). */
+u32 pci_cfg_read32(u16 bdf, u16 off);
+u16 pci_cfg_read16(u16 bdf, u16 off);
+u8 pci_cfg_read8(u16 bdf, u16 off);
+void pci_cfg_write32(u16 bdf, u16 off, u32 v);
+void pci_cfg_write16(u16 bdf, u16 off, u16 v);
+void pci_cfg_write8(u16 bdf, u16 off, u8 v);
+/* One mechanism explicitly (to compare them). */
+u32 pci_cf8_read32(u16 bdf, u16 off);
+void pci_cf8_write32(u16 bdf, u16 off, u32 v);
+u32 pci_ecam_read32(u16 bdf, u16 off);	/* needs an MCFG; ~0 otherwise */
+void pci_ecam_write32(u16 bdf, u16 off, u32 v);
+/* Reads the identity, class, header type, BAR, subsystem and capability
+ * pointer registers of every function of the last pci_scan() through both
+ * mechanisms; prints and counts the differences.  -1 if one of them is
+ * missing (no ECAM, or nothing answers at 0xcf8). *functions = compared. */
+int pci_compare_mechanisms(int *functions);
+/* Scans bus 0 (all 32 devices; functions 1-7 of multi-function ones), decodes
+ * every function's BARs (sizing with decode off, restored after) into a table;
+ * returns the count.  Rescans on each call. */
+int pci_scan(void);
+int pci_count(void);
+struct pci_dev *pci_get(int i);
+struct pci_dev *pci_find(u16 vendor, u16 device, unsigned nth);	/* 0xffff: any */
+void pci_decode_bars(struct pci_dev *d);
+/* Sets `bits` (PCI_CMD_*) in the command register. */
+void pci_enable(struct pci_dev *d, u16 bits);
+/* Offset of the first capability `id` after `from` (0: the list head), 0 if
+ * none.  The walk is bounded (48 entries, aligned pointers >= 0x40). */
+u8 pci_find_cap(u16 bdf, u8 id, u8 from);
+/* Optional: gives every unassigned (0) BAR of `d` an address, naturally
+ * aligned, above the highest BAR already in [mem_base, mem_end) (memory) or
+ * [io_base, io_end) (I/O), and enables decoding.  For VMMs without firmware
+ * that leave BARs to the guest.  Returns how many BARs it assigned, -1 if
+ * one did not fit. */
+int pci_assign_bars(struct pci_dev *d, u64 mem_base, u64 mem_end, u32 io_base, u32 io_end);
+/* Where a memory BAR's offset is in the identity map (NULL: I/O, not
+ * assigned, past the BAR, or above 4 GiB). */
+volatile void *pci_bar_ptr(const struct pci_dev *d, unsigned bar, u64 offset, u64 len);
+const char *pci_bar_kind_name(u8 kind);	/* "io" "mem32" "mem64" "-" */
+
+/* ---- MSI-X ---- */
+#define MSIX_CTRL_ENABLE	0x8000
+#define MSIX_CTRL_FUNC_MASK	0x4000
+#define MSIX_ENTRY_MASKED	1u
+struct msix {
+	struct pci_dev *dev;
+	u8 cap;				/* capability offset */
+	u16 entries;			/* table size */
+	volatile u32 *table;		/* 4 dwords per entry */
+	volatile u64 *pba;
+};
+/* Finds the capability and maps the table and PBA through their BARs;
+ * false if the device has none or a BAR is unusable.  Touches nothing. */
+bool msix_probe(struct msix *m, struct pci_dev *d);
+/* Entry i: address 0xfee00000 | apic_id << 12, data = vector (fixed, edge),
+ * mask bit as given.  Writes address and data with the entry masked. */
+void msix_set(struct msix *m, unsigned i, u32 apic_id, u8 vector, bool masked);
+void msix_mask(struct msix *m, unsigned i, bool masked);	/* vector control bit 0 */
+bool msix_pending(struct msix *m, unsigned i);			/* PBA bit */
+void msix_enable(struct msix *m, bool on);			/* message control bit 15 */
+void msix_function_mask(struct msix *m, bool masked);		/* message control bit 14 */
+u16 msix_control(struct msix *m);
+
+/* ---- virtio 1.x, modern PCI transport, split virtqueues ---- */
+#define VIRTIO_PCI_VENDOR	0x1af4
+#define VIRTIO_ID_NET		1
+#define VIRTIO_ID_BLOCK		2
+#define VIRTIO_ID_CONSOLE	3
+#define VIRTIO_ID_RNG		4
+/* device_status */
+#define VIRTIO_S_ACKNOWLEDGE	0x01
+#define VIRTIO_S_DRIVER		0x02
+#define VIRTIO_S_DRIVER_OK	0x04
+#define VIRTIO_S_FEATURES_OK	0x08
+#define VIRTIO_S_NEEDS_RESET	0x40
+#define VIRTIO_S_FAILED		0x80
+/* feature bits (bit numbers) */
+#define VIRTIO_F_INDIRECT_DESC	28
+#define VIRTIO_F_EVENT_IDX	29
+#define VIRTIO_F_VERSION_1	32
+#define VIRTIO_F_ACCESS_PLATFORM 33
+#define VIRTIO_F_RING_PACKED	34
+#define VIRTIO_BIT(b)		(1ULL << (b))
+/* vendor capability cfg_type */
+#define VIRTIO_PCI_CAP_COMMON	1
+#define VIRTIO_PCI_CAP_NOTIFY	2
+#define VIRTIO_PCI_CAP_ISR	3
+#define VIRTIO_PCI_CAP_DEVICE	4
+#define VIRTIO_PCI_CAP_PCI_CFG	5
+/* common configuration offsets */
+#define VIRTIO_COMMON_DFSELECT	0x00
+#define VIRTIO_COMMON_DF	0x04
+#define VIRTIO_COMMON_GFSELECT	0x08
+#define VIRTIO_COMMON_GF	0x0c
+#define VIRTIO_COMMON_MSIX	0x10
+#define VIRTIO_COMMON_NUMQ	0x12
+#define VIRTIO_COMMON_STATUS	0x14
+#define VIRTIO_COMMON_CFGGEN	0x15
+#define VIRTIO_COMMON_Q_SELECT	0x16
+#define VIRTIO_COMMON_Q_SIZE	0x18
+#define VIRTIO_COMMON_Q_MSIX	0x1a
+#define VIRTIO_COMMON_Q_ENABLE	0x1c
+#define VIRTIO_COMMON_Q_NOFF	0x1e
+#define VIRTIO_COMMON_Q_DESC	0x20
+#define VIRTIO_COMMON_Q_AVAIL	0x28
+#define VIRTIO_COMMON_Q_USED	0x30
+#define VIRTIO_MSI_NO_VECTOR	0xffff
+/* descriptors */
+#define VIRTQ_DESC_F_NEXT	1
+#define VIRTQ_DESC_F_WRITE	2
+#define VIRTQ_DESC_F_INDIRECT	4
+#define VIRTQ_AVAIL_F_NO_INTERRUPT 1
+#define VIRTQ_USED_F_NO_NOTIFY	1
+
+struct virtq_desc { u64 addr; u32 len; u16 flags, next; };
+struct virtq_avail { u16 flags, idx; u16 ring[]; };	/* then used_event */
+struct virtq_used_elem { u32 id, len; };
+struct virtq_used { u16 flags, idx; struct virtq_used_elem ring[]; };	/* then avail_event */
+
+/* A buffer of a chain: device-readable ones first, then device-writable. */
+struct vbuf { void *addr; u32 len; };
+
+#define VIRTIO_MAX_QUEUES	8
+#define VIRTQ_INDIRECT_MAX	32	/* entries per indirect table */
+struct virtio_dev;
+struct virtq {
+	struct virtio_dev *vdev;
+	u16 index, size;
+	volatile struct virtq_desc *desc;
+	volatile struct virtq_avail *avail;
+	volatile struct virtq_used *used;
+	volatile u16 *notify;		/* this queue's doorbell */
+	u16 msix_entry;			/* VIRTIO_MSI_NO_VECTOR: polled */
+	u8 vector;			/* IDT vector bound with virtq_bind_irq() */
+	bool event_idx, indirect;	/* negotiated */
+	bool use_indirect;		/* virtq_use_indirect(); on if negotiated */
+	u16 free_head, num_free;
+	u16 avail_idx;			/* next avail->idx to publish */
+	u16 kicked_idx;			/* avail_idx at the last doorbell */
+	u16 last_used;			/* used->idx consumed so far */
+	struct virtq_desc *itables;	/* size x VIRTQ_INDIRECT_MAX */
+	void **tokens;			/* per head */
+	u16 *chain_len;			/* per head: descriptors in the ring */
+	volatile u32 irqs;		/* counted by the MSI-X handler */
+	u32 irqs_seen;
+	u64 kicks, completions, waits_irq, missed_irqs;
+};
+struct virtio_dev {
+	struct pci_dev *pci;
+	u32 type;			/* VIRTIO_ID_* */
+	volatile u8 *common, *isr, *device_cfg;
+	u32 device_cfg_len;
+	volatile u8 *notify_base;
+	u32 notify_mult, notify_len;
+	u64 device_features, features;	/* offered, negotiated */
+	u16 num_queues;			/* the device's */
+	struct msix msix;
+	bool has_msix, msix_on;
+	struct virtq *vq[VIRTIO_MAX_QUEUES];
+	volatile u32 config_irqs;
+};
+
+/* The device type of a virtio PCI function (modern 0x1040 + type or
+ * transitional 0x1000-0x103f by subsystem ID), 0 if not virtio. */
+u32 virtio_pci_type(const struct pci_dev *d);
+/* The nth virtio PCI function of `type` after pci_scan(); NULL if none. */
+struct pci_dev *virtio_find(u32 type, unsigned nth);
+/* The usual start of a test guest (any ring): pci_init() (ECAM unless the
+ * command line says "pci=cf8"), pci_scan(), with "pci_assign=1" every
+ * unassigned BAR placed by pci_assign_bars() in the ferrovm windows
+ * (memory [0xc0000000, 0xe0000000), I/O [0xc000, 0x10000)), with "wait=hlt"
+ * virtio_wait_halt(true), then the nth function of `type` probed; prints
+ * one line about it.  false and a
+ * message if there is none or the probe fails. */
+bool virtio_open(struct virtio_dev *vd, u32 type, unsigned nth);
+/* pci_assign_bars() for every function of the last pci_scan(), in the ferrovm
+ * windows above; prints what it assigned. */
+void pci_assign_unassigned(void);
+/* Finds the vendor capabilities, maps them through their BARs (BARs must
+ * be assigned; see pci_assign_bars), enables memory decode and bus
+ * mastering, probes MSI-X.  Does not touch the device status.  false and a
+ * message if a required capability is missing or out of its BAR. */
+bool virtio_probe(struct virtio_dev *vd, struct pci_dev *pd);
+/* Writes 0 to device_status and waits until it reads back 0 (~1 s at most);
+ * forgets the queues (their memory is not reused). */
+bool virtio_reset(struct virtio_dev *vd);
+/* Reset, ACKNOWLEDGE, DRIVER, features = offered & (wanted | VERSION_1),
+ * FEATURES_OK, checks FEATURES_OK stayed set.  false (FAILED set) if the
+ * device refuses or lacks VERSION_1. */
+bool virtio_init(struct virtio_dev *vd, u64 wanted);
+/* Sets up queue `index` (size 0: the device's maximum, else at most that),
+ * its rings from dma_alloc, MSI-X entry `msix_entry` (VIRTIO_MSI_NO_VECTOR:
+ * none; the device must accept it) and enables it.  NULL and a message on
+ * failure.  The queue uses INDIRECT_DESC / EVENT_IDX if negotiated. */
+struct virtq *virtio_queue_setup(struct virtio_dev *vd, u16 index, u16 size, u16 msix_entry);
+void virtio_driver_ok(struct virtio_dev *vd);
+u8 virtio_status(struct virtio_dev *vd);
+void virtio_set_status(struct virtio_dev *vd, u8 status);
+static inline bool virtio_has(const struct virtio_dev *vd, unsigned bit)
+{
+	return (vd->features >> bit) & 1;
+}
+u8 virtio_isr(struct virtio_dev *vd);		/* reads (and clears) the ISR status */
+/* MSI-X: enable the function with every entry masked, the configuration
+ * change vector to `config_entry`; then route entries with
+ * virtio_msix_route().  false if the device has no MSI-X or refuses the
+ * config vector. */
+bool virtio_msix_enable(struct virtio_dev *vd, u16 config_entry);
+void virtio_msix_route(struct virtio_dev *vd, u16 entry, u32 apic_id, u8 vector);
+/* Installs a handler for IDT `vector` that counts q->irqs and sends EOI.
+ * Call at CPL 0 or 3 before interrupts can arrive. */
+void virtq_bind_irq(struct virtq *q, u8 vector);
+/* The same for the configuration-change interrupt (counts vd->config_irqs). */
+void virtio_bind_config_irq(struct virtio_dev *vd, u8 vector);
+/* Device configuration space (little endian); 64-bit reads retry until
+ * config_generation is stable. */
+u8 virtio_cfg_read8(struct virtio_dev *vd, u32 off);
+u16 virtio_cfg_read16(struct virtio_dev *vd, u32 off);
+u32 virtio_cfg_read32(struct virtio_dev *vd, u32 off);
+u64 virtio_cfg_read64(struct virtio_dev *vd, u32 off);
+void virtio_cfg_write8(struct virtio_dev *vd, u32 off, u8 v);
+
+/* Queues a chain of n_out device-readable then n_in device-writable buffers;
+ * `token` comes back from virtq_get().  Uses an indirect table when the
+ * queue has them and the chain has more than one buffer (up to
+ * VIRTQ_INDIRECT_MAX), else ring descriptors.  Returns the head, or -1 if
+ * there is no room.  Does not notify. */
+int virtq_add(struct virtq *q, const struct vbuf *bufs, unsigned n_out, unsigned n_in, void *token);
+/* Forces ring descriptors (false) or allows indirect tables (true). */
+void virtq_use_indirect(struct virtq *q, bool on);
+/* Publishes what was added: rings the doorbell unless the device asked not
+ * to be notified (VIRTQ_USED_F_NO_NOTIFY, or avail_event with EVENT_IDX).
+ * Returns whether it notified. */
+bool virtq_kick(struct virtq *q);
+void virtq_notify(struct virtq *q);		/* the doorbell, unconditionally */
+/* Takes the next used element: its token (NULL if none) and written length;
+ * returns the chain's descriptors to the free list. */
+void *virtq_get(struct virtq *q, u32 *len);
+bool virtq_has_used(struct virtq *q);
+/* Asks for an interrupt at the next used element (clears NO_INTERRUPT or sets
+ * used_event), or for none (polling). */
+void virtq_irq_enable(struct virtq *q, bool on);
+/* Waits until a used element is there.  A queue with an MSI-X entry and a
+ * bound vector waits for the interrupt (arming it first); a completion seen
+ * without its interrupt after 1 s counts in q->missed_irqs.  Returns 1 when
+ * something is used, 0 on timeout, -1 if the device set NEEDS_RESET. */
+int virtq_wait(struct virtq *q, u64 timeout_us);
+/* Interrupt-driven waits of this CPU's queues spin in ring 3 (PAUSE; the
+ * default) or, with `on`, halt in ring 0 ("sti; hlt", bounded by a ~2 ms
+ * LAPIC one-shot on vector 0xef), leaving the host CPU to the VMM's I/O
+ * threads: for more vCPUs than free host CPUs.  Global; call before waits. */
+void virtio_wait_halt(bool on);
+/* virtq_add, virtq_kick and virtq_wait for one chain until it is used:
+ * 1 (written length in *len), 0 on timeout, -1 if the device set
+ * NEEDS_RESET.  Fails the guest if another chain completes first. */
+int virtq_sync(struct virtq *q, const struct vbuf *bufs, unsigned n_out, unsigned n_in, u32 *len,
+	       u64 timeout_us);
+/* Raw ring access for tests that build chains by hand: the descriptor
+ * table, and publishing a head without the free list (virtq_add's
+ * bookkeeping is bypassed: reset the device before using virtq_add again). */
+void virtq_publish_raw(struct virtq *q, u16 head);
+bool virtq_get_raw(struct virtq *q, struct virtq_used_elem *e);
+
+/* ---- virtio-blk (lib/blk.c) ---- */
+#define VIRTIO_BLK_F_SIZE_MAX	1
+#define VIRTIO_BLK_F_SEG_MAX	2
+#define VIRTIO_BLK_F_GEOMETRY	4
+#define VIRTIO_BLK_F_RO		5
+#define VIRTIO_BLK_F_BLK_SIZE	6
+#define VIRTIO_BLK_F_FLUSH	9
+#define VIRTIO_BLK_F_TOPOLOGY	10
+#define VIRTIO_BLK_F_CONFIG_WCE	11
+#define VIRTIO_BLK_F_MQ		12
+#define VIRTIO_BLK_F_DISCARD	13
+#define VIRTIO_BLK_F_WRITE_ZEROES 14
+#define VIRTIO_BLK_T_IN		0
+#define VIRTIO_BLK_T_OUT	1
+#define VIRTIO_BLK_T_FLUSH	4
+#define VIRTIO_BLK_T_GET_ID	8
+#define VIRTIO_BLK_T_DISCARD	11
+#define VIRTIO_BLK_T_WRITE_ZEROES 13
+#define VIRTIO_BLK_S_OK		0
+#define VIRTIO_BLK_S_IOERR	1
+#define VIRTIO_BLK_S_UNSUPP	2
+#define VIRTIO_BLK_ID_BYTES	20
+#define VIRTIO_BLK_WZ_UNMAP	1	/* write-zeroes segment flag */
+/* configuration space offsets */
+#define VIRTIO_BLK_CFG_CAPACITY		0
+#define VIRTIO_BLK_CFG_SIZE_MAX		8
+#define VIRTIO_BLK_CFG_SEG_MAX		12
+#define VIRTIO_BLK_CFG_BLK_SIZE		20
+#define VIRTIO_BLK_CFG_NUM_QUEUES	34
+#define VIRTIO_BLK_CFG_MAX_DISCARD_SECTORS 36
+#define VIRTIO_BLK_CFG_MAX_DISCARD_SEG	40
+#define VIRTIO_BLK_CFG_DISCARD_ALIGN	44
+#define VIRTIO_BLK_CFG_MAX_WZ_SECTORS	48
+#define VIRTIO_BLK_CFG_MAX_WZ_SEG	52
+#define VIRTIO_BLK_CFG_WZ_MAY_UNMAP	56
+#define BLK_SECTOR		512
+
+struct virtio_blk_hdr { u32 type, reserved; u64 sector; };
+struct virtio_blk_range { u64 sector; u32 num_sectors, flags; };	/* DISCARD, WRITE_ZEROES */
+/* One request: lives in DMA memory (blk_req_alloc) while in flight. */
+struct blk_req {
+	struct virtio_blk_hdr hdr;
+	struct virtio_blk_range range;
+	volatile u8 status;		/* 0xff until the device writes it */
+	bool done;
+	u32 used_len;			/* from the used element */
+	u64 tag;			/* the caller's */
+};
+struct blk_req *blk_req_alloc(unsigned n);	/* n zeroed requests */
+/* Queues one request (does not kick): header (device-readable), data split
+ * into `segs` descriptors (>= 1; device-writable for IN and GET_ID,
+ * readable otherwise; none if len is 0, and for DISCARD / WRITE_ZEROES the
+ * data is r->range, filled here from sector and len), status byte.
+ * Returns the head or -1 if the queue is full. */
+int blk_submit(struct virtq *q, struct blk_req *r, u32 type, u64 sector, void *data, u32 len,
+	       unsigned segs);
+/* Collects finished requests from the used ring (marks them done); returns
+ * how many. */
+unsigned blk_reap(struct virtq *q);
+/* Submits, kicks, waits up to `timeout_us`: the status byte, or -1 on
+ * timeout, -2 if the device set NEEDS_RESET. */
+int blk_sync(struct virtq *q, u32 type, u64 sector, void *data, u32 len, unsigned segs,
+	     u64 timeout_us);
+const char *blk_status_name(int status);	/* "OK" "IOERR" "UNSUPP" "timeout" ... */
+/* A started virtio-blk device. */
+struct blk_dev {
+	struct virtio_dev vd;
+	struct virtq *q[VIRTIO_MAX_QUEUES];
+	unsigned nq;
+	u64 capacity;			/* sectors */
+	bool irq;			/* queues complete by MSI-X */
+};
+/* virtio_init(wanted), then with MSI-X (if `irq` and the device has it)
+ * entry 0 = configuration changes -> `vector` on this CPU and queue i ->
+ * entry i + 1 -> `vector` + 1 + i on APIC ID apic_ids[i] (NULL: this CPU);
+ * `nq` queues (fewer if the device has fewer) of at most `qsize` (0: the
+ * device's maximum); DRIVER_OK; reads the capacity.  Prints nothing on
+ * success; false with a message on failure.  Call again after a reset. */
+bool blk_start(struct blk_dev *b, u64 wanted, unsigned nq, u16 qsize, bool irq,
+	       const u32 *apic_ids, u8 vector);
+/* ---- end of DMA, ACPI, PCI, MSI-X, virtio ---- */
+/* ==================================================================== */
+
 #endif

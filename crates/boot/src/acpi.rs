@@ -1,15 +1,29 @@
-//! ACPI tables for x86-64 guests: RSDP, XSDT, FADT (with FACS), MADT and DSDT.
+//! ACPI tables for x86-64 guests: RSDP, XSDT, FADT (with FACS), MADT, MCFG and DSDT.
 //!
 //! The tables live in the reserved BIOS area at [`ACPI_START`] (`[0xe0000, 0xf0000)`):
 //!
 //! | table | placement | contents |
 //! | --- | --- | --- |
 //! | RSDP | 0xe0000 (36 bytes, revision 2) | XSDT address, both checksums |
-//! | XSDT | next 64-byte boundary | FADT, MADT |
+//! | XSDT | next 64-byte boundary | FADT, MADT, MCFG |
 //! | FADT | next 64-byte boundary (276 bytes, revision 6.5) | FACS, DSDT, fixed hardware ports |
 //! | FACS | next 64-byte boundary (64 bytes) | global lock, waking vector (both unused) |
-//! | DSDT | next 64-byte boundary | `\_S5_`, COM1, ACPI PM I/O resources |
+//! | DSDT | next 64-byte boundary | `\_S5_`, COM1, ACPI PM I/O resources, PCI root bridge |
 //! | MADT | next 64-byte boundary | local APICs, IOAPIC, overrides, LINT1 NMI |
+//! | MCFG | next 64-byte boundary | ECAM of PCI segment 0, bus 0 |
+//!
+//! [`AcpiTables`] builds every table; only the FADT, XSDT and RSDP hold addresses, and they
+//! are made from the addresses the caller chose. [`create_acpi_tables`] places them in the
+//! BIOS area for a direct boot; a firmware table loader (fw_cfg) can take the same tables
+//! and patch the pointers itself.
+//!
+//! The PCI platform as `\_SB.PCI0` (PNP0A08, compatible PNP0A03) describes it: bus 0 only,
+//! configuration ports 0xcf8-0xcff, I/O windows `[0, 0xcf8)` and `[0xd00, 0x10000)`,
+//! memory windows [`PCI_MMIO32_START`] (below ECAM) and the 64-bit window above RAM
+//! ([`pci_mmio64_start`]), and a `_PRT` naming for each slot 1-31 and pin the GSI
+//! `16 + (slot + pin) % 4` directly (no link devices: level, active low as `_PRT` GSIs
+//! are). ECAM is claimed as a motherboard resource too, for OSes that check MCFG
+//! against those.
 //!
 //! The machine they describe: one local APIC per vCPU (APIC ID = vCPU index) at
 //! [`LAPIC_START`], one IOAPIC with ID [`IOAPIC_ID`] at [`IOAPIC_START`] routing GSIs
@@ -33,7 +47,9 @@ use acpi_tables::{aml, Aml};
 use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryError};
 
 use crate::layout::{
-    range_in_ram, ACPI_SIZE, ACPI_START, IOAPIC_ID, IOAPIC_START, LAPIC_START, MAX_CPUS, RSDP_ADDR,
+    pci_mmio64_start, range_in_ram, ACPI_SIZE, ACPI_START, IOAPIC_ID, IOAPIC_START, LAPIC_START,
+    MAX_CPUS, PCI_CONFIG_PORT, PCI_CONFIG_PORTS, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_MMIO32_SIZE,
+    PCI_MMIO32_START, PCI_MMIO64_SIZE, RSDP_ADDR,
 };
 
 /// OEM ID in every table header and the RSDP.
@@ -72,6 +88,11 @@ pub const RESET_VALUE: u8 = 0xfe;
 pub const COM1_PORT: u16 = 0x3f8;
 /// COM1's ISA IRQ.
 pub const COM1_IRQ: u8 = 4;
+
+/// PCI INTx: slots 1-31 (0 is the host bridge) and pins INTA-INTD reach GSI
+/// `PCI_INTX_GSI_BASE + (slot + pin) % 4` (the `pci` crate wires them so).
+pub const PCI_INTX_GSI_BASE: u32 = 16;
+const PCI_SLOTS: u32 = 32;
 
 /// Tables are placed on this alignment (FACS needs 64 bytes; the others take 64 for tidiness).
 const TABLE_ALIGN: u64 = 64;
@@ -173,9 +194,85 @@ fn madt(cpus: u32) -> Vec<u8> {
     madt.as_slice().to_vec()
 }
 
-/// The DSDT: `\_S5_` and, under `\_SB_`, COM1 and the ACPI PM I/O ports (with the PM timer
-/// wherever it is) as motherboard resources.
-fn dsdt(pm_timer_port: u16) -> Vec<u8> {
+/// AML already serialized, to nest inside another object.
+struct RawAml(Vec<u8>);
+
+impl Aml for RawAml {
+    fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
+        sink.vec(&self.0);
+    }
+}
+
+/// `_PRT` of the root bridge: for every slot 1-31 and pin, the GSI it reaches.
+fn pci_routing_table() -> aml::PackageBuilder {
+    let mut prt = aml::PackageBuilder::new();
+    for slot in 1..PCI_SLOTS {
+        for pin in 0..4u32 {
+            // Address: device in the high word, any function (0xffff).
+            let address = (slot << 16) | 0xffff;
+            let gsi = PCI_INTX_GSI_BASE + (slot + pin) % 4;
+            let pin = pin as u8;
+            prt.add_element(&aml::Package::new(vec![&address, &pin, &aml::ZERO, &gsi]));
+        }
+    }
+    prt
+}
+
+/// `\_SB.PCI0`, the host bridge of bus 0, for `mem_size` bytes of RAM.
+fn pci_root_bridge(mem_size: u64) -> RawAml {
+    let hid = aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0A08"));
+    let cid = aml::Name::new("_CID".into(), &aml::EISAName::new("PNP0A03"));
+    let seg = aml::Name::new("_SEG".into(), &aml::ZERO);
+    let bbn = aml::Name::new("_BBN".into(), &aml::ZERO);
+    let uid = aml::Name::new("_UID".into(), &aml::ZERO);
+    let bus = aml::AddressSpace::new_bus_number(0u16, 0u16);
+    let config_port = PCI_CONFIG_PORT as u16;
+    let config = aml::IO::new(config_port, config_port, 1, PCI_CONFIG_PORTS as u8);
+    let io_low = aml::AddressSpace::new_io(0u16, config_port - 1, None);
+    let io_high = aml::AddressSpace::new_io(0x0d00u16, 0xffffu16, None);
+    let mmio32 = aml::AddressSpace::new_memory(
+        aml::AddressSpaceCacheable::NotCacheable,
+        true,
+        PCI_MMIO32_START as u32,
+        (PCI_MMIO32_START + PCI_MMIO32_SIZE - 1) as u32,
+        None,
+    );
+    let high = pci_mmio64_start(mem_size);
+    let mmio64 = aml::AddressSpace::new_memory(
+        aml::AddressSpaceCacheable::Cacheable,
+        true,
+        high,
+        high + (PCI_MMIO64_SIZE - 1),
+        None,
+    );
+    let crs = aml::Name::new(
+        "_CRS".into(),
+        &aml::ResourceTemplate::new(vec![&bus, &config, &io_low, &io_high, &mmio32, &mmio64]),
+    );
+    let prt = aml::Name::new("_PRT".into(), &pci_routing_table());
+    let pci0 = aml::Device::new(
+        "PCI0".into(),
+        vec![&hid, &cid, &seg, &bbn, &uid, &crs, &prt],
+    );
+    RawAml(bytes_of(&pci0))
+}
+
+/// A motherboard-resources device claiming the ECAM window (Linux checks MCFG against
+/// these as well as against the e820 map).
+fn ecam_reservation() -> RawAml {
+    let hid = aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C02"));
+    let uid = aml::Name::new("_UID".into(), &2u8);
+    let ecam = aml::Memory32Fixed::new(true, PCI_ECAM_START as u32, PCI_ECAM_SIZE as u32);
+    let crs = aml::Name::new("_CRS".into(), &aml::ResourceTemplate::new(vec![&ecam]));
+    RawAml(bytes_of(&aml::Device::new(
+        "MRES".into(),
+        vec![&hid, &uid, &crs],
+    )))
+}
+
+/// The DSDT: `\_S5_` and, under `\_SB_`, COM1, the ACPI PM I/O ports (with the PM timer
+/// wherever it is) as motherboard resources, the PCI root bridge and the ECAM reservation.
+fn dsdt(pm_timer_port: u16, mem_size: u64) -> Vec<u8> {
     let s5 = aml::Name::new(
         "\\_S5_".into(),
         &aml::Package::new(vec![&S5_SLP_TYP, &S5_SLP_TYP, &aml::ZERO, &aml::ZERO]),
@@ -202,7 +299,9 @@ fn dsdt(pm_timer_port: u16) -> Vec<u8> {
     let pm_crs = aml::Name::new("_CRS".into(), &aml::ResourceTemplate::new(pm_resources));
     let pm = aml::Device::new("PMIO".into(), vec![&pm_hid, &pm_uid, &pm_crs]);
 
-    let sb = aml::Scope::new("\\_SB_".into(), vec![&com1, &pm]);
+    let pci0 = pci_root_bridge(mem_size);
+    let ecam = ecam_reservation();
+    let sb = aml::Scope::new("\\_SB_".into(), vec![&com1, &pm, &pci0, &ecam]);
 
     let mut dsdt = Sdt::new(*b"DSDT", 36, 2, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     let mut body = Vec::new();
@@ -210,6 +309,13 @@ fn dsdt(pm_timer_port: u16) -> Vec<u8> {
     sb.to_aml_bytes(&mut body);
     dsdt.append_slice(&body);
     dsdt.as_slice().to_vec()
+}
+
+/// The MCFG: ECAM of PCI segment 0, buses 0-0.
+fn mcfg() -> Vec<u8> {
+    let mut mcfg = acpi_tables::mcfg::MCFG::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    mcfg.add_ecam(PCI_ECAM_START, 0, 0, 0);
+    bytes_of(&mcfg)
 }
 
 fn io_gas(port: u16, bytes: u8, access: AccessSize) -> GAS {
@@ -267,19 +373,104 @@ impl Placer {
     }
 }
 
+/// Every ACPI table of the machine. The DSDT, FACS, MADT and MCFG hold no addresses and
+/// are built once; the FADT, XSDT and RSDP are made for the addresses the caller picked.
+#[derive(Clone, Debug)]
+pub struct AcpiTables {
+    pub dsdt: Vec<u8>,
+    pub facs: Vec<u8>,
+    pub madt: Vec<u8>,
+    pub mcfg: Vec<u8>,
+    pm_timer_port: u16,
+}
+
+/// A table and the guest-physical address it was placed at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlacedTable {
+    /// "RSDP", "XSDT", ...
+    pub name: &'static str,
+    pub addr: u64,
+    pub bytes: Vec<u8>,
+}
+
+impl AcpiTables {
+    /// The tables for `cpus` vCPUs and `mem_size` bytes of RAM (which places the 64-bit
+    /// PCI window). The FADT points at the PM timer on `pm_timer_port`: [`PM_TMR_BLK`]
+    /// when the VMM provides it, the kernel's port otherwise.
+    pub fn new(cpus: u32, mem_size: u64, pm_timer_port: u16) -> Result<Self, AcpiError> {
+        if cpus == 0 || cpus > MAX_CPUS {
+            return Err(AcpiError::CpuCount(cpus));
+        }
+        Ok(AcpiTables {
+            dsdt: dsdt(pm_timer_port, mem_size),
+            facs: bytes_of(&FACS::new()),
+            madt: madt(cpus),
+            mcfg: mcfg(),
+            pm_timer_port,
+        })
+    }
+
+    /// The FADT, pointing at the DSDT and FACS placed at these addresses.
+    pub fn fadt(&self, dsdt_addr: u64, facs_addr: u64) -> Vec<u8> {
+        fadt(dsdt_addr, facs_addr, self.pm_timer_port)
+    }
+
+    /// The XSDT listing the FADT, MADT and MCFG placed at these addresses.
+    pub fn xsdt(fadt_addr: u64, madt_addr: u64, mcfg_addr: u64) -> Vec<u8> {
+        let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+        for addr in [fadt_addr, madt_addr, mcfg_addr] {
+            xsdt.add_entry(addr);
+        }
+        bytes_of(&xsdt)
+    }
+
+    /// The RSDP (revision 2) pointing at the XSDT.
+    pub fn rsdp(xsdt_addr: u64) -> Vec<u8> {
+        bytes_of(&Rsdp::new(OEM_ID, xsdt_addr))
+    }
+
+    /// Lays the tables out in the BIOS area from [`RSDP_ADDR`], RSDP first, each on a
+    /// 64-byte boundary; fails if they outgrow the area.
+    pub fn place_in_bios_area(&self) -> Result<Vec<PlacedTable>, AcpiError> {
+        let mut placer = Placer { next: RSDP_ADDR };
+        let rsdp = placer.place(Rsdp::len());
+        let xsdt = placer.place(36 + 3 * 8);
+        let fadt = placer.place(acpi_tables::fadt::FADT::len());
+        let facs = placer.place(self.facs.len());
+        let dsdt = placer.place(self.dsdt.len());
+        let madt = placer.place(self.madt.len());
+        let mcfg = placer.place(self.mcfg.len());
+        let end = ACPI_START + ACPI_SIZE;
+        if placer.next > end {
+            return Err(AcpiError::TooLarge {
+                needed: placer.next - ACPI_START,
+                available: ACPI_SIZE,
+            });
+        }
+        let table = |name, addr, bytes| PlacedTable { name, addr, bytes };
+        Ok(vec![
+            table("RSDP", rsdp, Self::rsdp(xsdt)),
+            table("XSDT", xsdt, Self::xsdt(fadt, madt, mcfg)),
+            table("FADT", fadt, self.fadt(dsdt, facs)),
+            table("FACS", facs, self.facs.clone()),
+            table("DSDT", dsdt, self.dsdt.clone()),
+            table("MADT", madt, self.madt.clone()),
+            table("MCFG", mcfg, self.mcfg.clone()),
+        ])
+    }
+}
+
 /// Writes the ACPI tables for `cpus` vCPUs into the BIOS area of `mem` (guest RAM of
 /// `mem_size` bytes laid out by [`crate::layout`]) and returns the RSDP's address
-/// ([`RSDP_ADDR`]), for [`crate::BootConfig::rsdp`]. The FADT points at the PM timer on
-/// `pm_timer_port`: [`PM_TMR_BLK`] when the VMM provides it, the kernel's port otherwise.
+/// ([`RSDP_ADDR`]), for [`crate::BootConfig::rsdp`]. See [`AcpiTables::new`] for
+/// `pm_timer_port`.
 pub fn create_acpi_tables<M: GuestMemory + ?Sized>(
     mem: &M,
     cpus: u32,
     mem_size: u64,
     pm_timer_port: u16,
 ) -> Result<u64, AcpiError> {
-    if cpus == 0 || cpus > MAX_CPUS {
-        return Err(AcpiError::CpuCount(cpus));
-    }
+    let tables = AcpiTables::new(cpus, mem_size, pm_timer_port)?;
     let (start, end) = (ACPI_START, ACPI_START + ACPI_SIZE);
     if !range_in_ram(mem_size, start, end) {
         return Err(AcpiError::AreaNotInRam {
@@ -288,52 +479,17 @@ pub fn create_acpi_tables<M: GuestMemory + ?Sized>(
             end,
         });
     }
-
-    let madt = madt(cpus);
-    let dsdt = dsdt(pm_timer_port);
-
-    let mut placer = Placer { next: RSDP_ADDR };
-    let rsdp_addr = placer.place(Rsdp::len());
-    let xsdt_addr = placer.place(36 + 2 * 8);
-    let fadt_addr = placer.place(acpi_tables::fadt::FADT::len());
-    let facs_addr = placer.place(FACS::len());
-    let dsdt_addr = placer.place(dsdt.len());
-    let madt_addr = placer.place(madt.len());
-    if placer.next > end {
-        return Err(AcpiError::TooLarge {
-            needed: placer.next - start,
-            available: ACPI_SIZE,
-        });
-    }
-
-    let fadt = fadt(dsdt_addr, facs_addr, pm_timer_port);
-    let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
-    xsdt.add_entry(fadt_addr);
-    xsdt.add_entry(madt_addr);
-    let xsdt = bytes_of(&xsdt);
-    let rsdp = bytes_of(&Rsdp::new(OEM_ID, xsdt_addr));
-    let facs = bytes_of(&FACS::new());
-
-    for (table, addr, bytes) in [
-        ("RSDP", rsdp_addr, &rsdp),
-        ("XSDT", xsdt_addr, &xsdt),
-        ("FADT", fadt_addr, &fadt),
-        ("FACS", facs_addr, &facs),
-        ("DSDT", dsdt_addr, &dsdt),
-        ("MADT", madt_addr, &madt),
-    ] {
-        mem.write_slice(bytes, GuestAddress(addr))
+    let placed = tables.place_in_bios_area()?;
+    for t in &placed {
+        mem.write_slice(&t.bytes, GuestAddress(t.addr))
             .map_err(|source| AcpiError::GuestMemory {
-                table,
-                addr,
+                table: t.name,
+                addr: t.addr,
                 source,
             })?;
     }
-    log::debug!(
-        "ACPI tables for {cpus} vCPUs at [{start:#x}, {:#x}), RSDP at {rsdp_addr:#x}",
-        placer.next
-    );
-    Ok(rsdp_addr)
+    log::debug!("ACPI tables for {cpus} vCPUs in [{start:#x}, {end:#x}), RSDP at {RSDP_ADDR:#x}");
+    Ok(RSDP_ADDR)
 }
 
 #[cfg(test)]
@@ -383,6 +539,7 @@ mod tests {
         xsdt_entries: Vec<u64>,
         fadt: Vec<u8>,
         madt: Vec<u8>,
+        mcfg: Vec<u8>,
         dsdt: Vec<u8>,
         dsdt_addr: u64,
         facs: Vec<u8>,
@@ -403,9 +560,10 @@ mod tests {
 
         let xsdt = table(mem, xsdt_addr, b"XSDT");
         let xsdt_entries: Vec<u64> = xsdt[36..].chunks(8).map(|c| u64_at(c, 0)).collect();
-        assert_eq!(xsdt_entries.len(), 2);
+        assert_eq!(xsdt_entries.len(), 3);
         let fadt = table(mem, xsdt_entries[0], b"FACP");
         let madt = table(mem, xsdt_entries[1], b"APIC");
+        let mcfg = table(mem, xsdt_entries[2], b"MCFG");
 
         let dsdt_addr = u64_at(&fadt, 140);
         assert_eq!(u64::from(u32_at(&fadt, 40)), dsdt_addr, "DSDT == X_DSDT");
@@ -418,6 +576,7 @@ mod tests {
             xsdt_entries,
             fadt,
             madt,
+            mcfg,
             dsdt,
             dsdt_addr,
             facs,
@@ -426,8 +585,14 @@ mod tests {
     }
 
     fn build(cpus: u32) -> (GuestMemoryMmap, Tables) {
+        build_with_ram(cpus, 128 * MIB)
+    }
+
+    /// Tables for `mem_size` bytes of RAM (guest memory holds only the first 128 MiB: the
+    /// tables live below 1 MiB).
+    fn build_with_ram(cpus: u32, mem_size: u64) -> (GuestMemoryMmap, Tables) {
         let mem = guest_mem(128 * MIB);
-        let rsdp = create_acpi_tables(&mem, cpus, 128 * MIB, PM_TMR_BLK).unwrap();
+        let rsdp = create_acpi_tables(&mem, cpus, mem_size, PM_TMR_BLK).unwrap();
         let t = parse(&mem, rsdp);
         (mem, t)
     }
@@ -576,12 +741,229 @@ mod tests {
     }
 
     #[test]
+    fn mcfg_contents() {
+        let (_, t) = build(1);
+        let m = &t.mcfg;
+        assert_eq!(m.len(), 36 + 8 + 16, "one allocation entry");
+        assert_eq!(m[8], 1, "revision");
+        assert_eq!(u64_at(m, 36), 0, "reserved");
+        assert_eq!(u64_at(m, 44), 0xe000_0000, "ECAM base");
+        assert_eq!(u16_at(m, 52), 0, "segment");
+        assert_eq!((m[54], m[55]), (0, 0), "buses 0-0");
+        assert_eq!(u32_at(m, 56), 0, "reserved");
+    }
+
+    /// A PkgLength at `b[0..]`: (length, bytes it took).
+    fn pkg_length(b: &[u8]) -> (usize, usize) {
+        let follow = usize::from(b[0] >> 6);
+        if follow == 0 {
+            return (usize::from(b[0] & 0x3f), 1);
+        }
+        let mut len = usize::from(b[0] & 0x0f);
+        for i in 0..follow {
+            len |= usize::from(b[1 + i]) << (4 + 8 * i);
+        }
+        (len, 1 + follow)
+    }
+
+    /// An integer term at `b[0..]`: (value, bytes it took).
+    fn integer(b: &[u8]) -> (u64, usize) {
+        match b[0] {
+            0x00 => (0, 1),
+            0x01 => (1, 1),
+            0x0a => (u64::from(b[1]), 2),
+            0x0b => (u64::from(u16_at(b, 1)), 3),
+            0x0c => (u64::from(u32_at(b, 1)), 5),
+            0x0e => (u64_at(b, 1), 9),
+            op => panic!("not an integer: {op:#x}"),
+        }
+    }
+
+    /// The object `Name(path, ...)` names, after `from` in the DSDT.
+    fn named<'a>(d: &'a [u8], from: usize, path: &[u8; 4]) -> &'a [u8] {
+        let mut needle = vec![0x08];
+        needle.extend_from_slice(path);
+        let at = d[from..]
+            .windows(5)
+            .position(|w| w == needle.as_slice())
+            .unwrap_or_else(|| panic!("Name {}", String::from_utf8_lossy(path)));
+        &d[from + at + 5..]
+    }
+
+    /// Resource descriptors of the buffer `Name(_CRS, ResourceTemplate {...})` starts with:
+    /// (tag, body) with the tag of large descriptors as 0x80 | type.
+    fn resources(obj: &[u8]) -> Vec<(u8, Vec<u8>)> {
+        assert_eq!(obj[0], 0x11, "BufferOp");
+        let (_, n) = pkg_length(&obj[1..]);
+        let (size, m) = integer(&obj[1 + n..]);
+        let mut b = &obj[1 + n + m..1 + n + m + size as usize];
+        let mut out = Vec::new();
+        loop {
+            let (tag, body_at, len) = if b[0] & 0x80 != 0 {
+                (b[0], 3, usize::from(u16_at(b, 1)))
+            } else {
+                (b[0] >> 3, 1, usize::from(b[0] & 7))
+            };
+            if tag == 0x0f {
+                return out; // end tag
+            }
+            out.push((tag, b[body_at..body_at + len].to_vec()));
+            b = &b[body_at + len..];
+        }
+    }
+
+    /// A package of integer packages: `Name(_PRT, Package {Package {a, b, c, d}, ...})`.
+    fn integer_packages(obj: &[u8]) -> Vec<Vec<u64>> {
+        assert_eq!(obj[0], 0x12, "PackageOp");
+        let (_, n) = pkg_length(&obj[1..]);
+        let count = usize::from(obj[1 + n]);
+        let mut at = 2 + n;
+        let mut out = Vec::new();
+        for _ in 0..count {
+            assert_eq!(obj[at], 0x12, "inner PackageOp");
+            let (len, n) = pkg_length(&obj[at + 1..]);
+            let elements = usize::from(obj[at + 1 + n]);
+            let mut p = at + 2 + n;
+            let mut values = Vec::new();
+            for _ in 0..elements {
+                let (v, used) = integer(&obj[p..]);
+                values.push(v);
+                p += used;
+            }
+            assert_eq!(p, at + 1 + len, "package length");
+            out.push(values);
+            at = p;
+        }
+        out
+    }
+
+    /// Address-space descriptor bodies: (resource type, min, max, length).
+    fn address_space(tag: u8, body: &[u8]) -> (u8, u64, u64, u64) {
+        match tag {
+            0x88 => {
+                let w = |i: usize| u64::from(u16_at(body, 3 + 2 * i));
+                (body[0], w(1), w(2), w(4))
+            }
+            0x87 => {
+                let d = |i: usize| u64::from(u32_at(body, 3 + 4 * i));
+                (body[0], d(1), d(2), d(4))
+            }
+            0x8a => {
+                let q = |i: usize| u64_at(body, 3 + 8 * i);
+                (body[0], q(1), q(2), q(4))
+            }
+            _ => panic!("not an address space descriptor: {tag:#x}"),
+        }
+    }
+
+    #[test]
+    fn dsdt_pci_root_bridge() {
+        for (mem_size, high) in [
+            (128 * MIB, 4u64 << 30),
+            (5 << 30, 6 << 30),
+            (6 << 30, 7 << 30),
+        ] {
+            let (_, t) = build_with_ram(1, mem_size);
+            let d = &t.dsdt;
+            let pci0 = d.windows(4).position(|w| w == b"PCI0").expect("PCI0");
+            assert_eq!(&d[pci0 - 4..pci0 - 2], &[0x5b, 0x82], "DeviceOp");
+            let eisa = |id: &[u8]| [0x0c, id[0], id[1], id[2], id[3]];
+            assert_eq!(
+                named(d, pci0, b"_HID")[..5],
+                eisa(&[0x41, 0xd0, 0x0a, 0x08])
+            );
+            assert_eq!(
+                named(d, pci0, b"_CID")[..5],
+                eisa(&[0x41, 0xd0, 0x0a, 0x03])
+            );
+            for name in [b"_SEG", b"_BBN", b"_UID"] {
+                assert_eq!(named(d, pci0, name)[0], 0, "{name:?} = Zero");
+            }
+            let crs = resources(named(d, pci0, b"_CRS"));
+            let spaces: Vec<_> = crs
+                .iter()
+                .filter(|(tag, _)| tag & 0x80 != 0)
+                .map(|(tag, body)| address_space(*tag, body))
+                .collect();
+            assert_eq!(
+                spaces,
+                vec![
+                    (2, 0, 0, 1),
+                    (1, 0, 0xcf7, 0xcf8),
+                    (1, 0xd00, 0xffff, 0xf300),
+                    (0, 0xc000_0000, 0xdfff_ffff, 0x2000_0000),
+                    (0, high, high + (64 << 30) - 1, 64 << 30),
+                ],
+                "RAM {mem_size:#x}"
+            );
+            // Producer windows; the config ports as an I/O descriptor.
+            for (tag, body) in &crs {
+                if tag & 0x80 != 0 {
+                    assert_eq!(body[1] & 1, 0, "ResourceProducer");
+                }
+            }
+            assert!(crs.contains(&(0x08, vec![1, 0xf8, 0x0c, 0xf8, 0x0c, 1, 8])));
+
+            let prt = integer_packages(named(d, pci0, b"_PRT"));
+            assert_eq!(prt.len(), 31 * 4);
+            for (i, entry) in prt.iter().enumerate() {
+                let (slot, pin) = (i as u64 / 4 + 1, i as u64 % 4);
+                assert_eq!(
+                    entry,
+                    &vec![slot << 16 | 0xffff, pin, 0, 16 + (slot + pin) % 4]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dsdt_reserves_ecam() {
+        let (_, t) = build(1);
+        let d = &t.dsdt;
+        let mres = d.windows(4).position(|w| w == b"MRES").expect("MRES");
+        assert_eq!(named(d, mres, b"_HID")[..5], [0x0c, 0x41, 0xd0, 0x0c, 0x02]);
+        assert_eq!(
+            named(d, mres, b"_UID")[..2],
+            [0x0a, 2],
+            "distinct from PMIO's"
+        );
+        let crs = resources(named(d, mres, b"_CRS"));
+        let mut fixed = vec![1];
+        fixed.extend_from_slice(&0xe000_0000u32.to_le_bytes());
+        fixed.extend_from_slice(&0x10_0000u32.to_le_bytes());
+        assert_eq!(crs, vec![(0x86, fixed)]);
+    }
+
+    /// The tables a firmware loader would take are the ones the direct boot writes.
+    #[test]
+    fn placed_tables_match_the_builder() {
+        let tables = AcpiTables::new(2, 128 * MIB, PM_TMR_BLK).unwrap();
+        let placed = tables.place_in_bios_area().unwrap();
+        let names: Vec<_> = placed.iter().map(|t| t.name).collect();
+        assert_eq!(
+            names,
+            ["RSDP", "XSDT", "FADT", "FACS", "DSDT", "MADT", "MCFG"]
+        );
+        let (mem, t) = build(2);
+        for p in &placed {
+            assert_eq!(read(&mem, p.addr, p.bytes.len()), p.bytes, "{}", p.name);
+        }
+        assert_eq!(t.dsdt, tables.dsdt);
+        assert_eq!(t.mcfg, tables.mcfg);
+        assert_eq!(
+            AcpiTables::xsdt(1, 2, 3)[36..],
+            [1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
+
+    #[test]
     fn tables_do_not_overlap() {
         let (_, t) = build(MAX_CPUS);
         let mut ranges = vec![
             (RSDP_ADDR, 36u64),
             (t.xsdt_entries[0], t.fadt.len() as u64),
             (t.xsdt_entries[1], t.madt.len() as u64),
+            (t.xsdt_entries[2], t.mcfg.len() as u64),
             (t.dsdt_addr, t.dsdt.len() as u64),
             (t.facs_addr, 64),
         ];

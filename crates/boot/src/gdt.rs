@@ -116,12 +116,20 @@ pub fn boot_segment(selector: u16) -> Option<SegmentDescriptor> {
 pub fn write_gdt<M: GuestMemory + ?Sized>(
     mem: &M,
 ) -> Result<(u64, u16), vm_memory::GuestMemoryError> {
+    write_gdt_at(mem, GDT_ADDR)
+}
+
+/// [`write_gdt`] at another address (a Multiboot kernel may occupy the usual one).
+pub fn write_gdt_at<M: GuestMemory + ?Sized>(
+    mem: &M,
+    addr: u64,
+) -> Result<(u64, u16), vm_memory::GuestMemoryError> {
     let mut bytes = [0u8; GDT_TABLE.len() * 8];
     for (chunk, entry) in bytes.chunks_exact_mut(8).zip(GDT_TABLE) {
         chunk.copy_from_slice(&entry.to_le_bytes());
     }
-    mem.write_slice(&bytes, GuestAddress(GDT_ADDR))?;
-    Ok((GDT_ADDR, GDT_LIMIT))
+    mem.write_slice(&bytes, GuestAddress(addr))?;
+    Ok((addr, GDT_LIMIT))
 }
 
 #[cfg(test)]

@@ -15,9 +15,15 @@
 //! 0x000f_0000 │   Intel MP table: floating pointer, then configuration table (64 KiB)
 //! 0x0010_0000 ┼ RAM: kernel, initrd (high, page aligned)
 //! low RAM end ┤ = min(mem_size, 3 GiB)
-//! 0xc000_0000 ┼ 32-bit PCI/MMIO hole (IOAPIC 0xfec00000, LAPIC 0xfee00000)
+//! 0xc000_0000 ┼ 32-bit PCI/MMIO hole: 0xc0000000-0xdfffffff PCI BAR window,
+//!             │   0xe0000000 PCI ECAM (bus 0, 1 MiB, reserved in e820),
+//!             │   IOAPIC 0xfec00000, LAPIC 0xfee00000
 //! 0x1_0000_0000 RAM above 4 GiB when mem_size > 3 GiB
+//! 64-bit PCI  ┼ 64 GiB BAR window from the first 1 GiB boundary at or above the end of RAM
 //! ```
+//!
+//! Port I/O for PCI: configuration mechanism #1 at 0xcf8-0xcff, I/O BARs in
+//! `[0xc000, 0x10000)`.
 
 use vm_memory::GuestAddress;
 
@@ -40,6 +46,35 @@ pub const IOAPIC_SIZE: u64 = 0x1000;
 pub const LAPIC_START: u64 = 0xfee0_0000;
 /// Size reserved for the local APIC in the e820 map.
 pub const LAPIC_SIZE: u64 = 0x1000;
+
+/// PCI ECAM (memory-mapped configuration) for bus 0, declared in the MCFG table.
+pub const PCI_ECAM_START: u64 = 0xe000_0000;
+/// One bus's worth of ECAM: 32 devices x 8 functions x 4 KiB.
+pub const PCI_ECAM_SIZE: u64 = 0x10_0000;
+/// 32-bit PCI BAR window: the start of the MMIO hole up to ECAM.
+pub const PCI_MMIO32_START: u64 = MMIO_HOLE_START;
+/// Size of the 32-bit PCI BAR window.
+pub const PCI_MMIO32_SIZE: u64 = PCI_ECAM_START - PCI_MMIO32_START;
+/// Size of the 64-bit PCI BAR window (see [`pci_mmio64_start`]).
+pub const PCI_MMIO64_SIZE: u64 = 64 << 30;
+/// Alignment of the 64-bit PCI BAR window.
+pub const PCI_MMIO64_ALIGN: u64 = 1 << 30;
+/// PCI I/O BAR window.
+pub const PCI_IO_START: u64 = 0xc000;
+/// Size of the PCI I/O BAR window (up to the end of the 16-bit port space).
+pub const PCI_IO_SIZE: u64 = 0x1_0000 - PCI_IO_START;
+/// First port of PCI configuration mechanism #1 (address at 0xcf8, data at 0xcfc-0xcff).
+pub const PCI_CONFIG_PORT: u64 = 0xcf8;
+/// Ports taken by configuration mechanism #1.
+pub const PCI_CONFIG_PORTS: u64 = 8;
+
+/// Start of the 64-bit PCI BAR window for `mem_size` bytes of RAM: the first 1 GiB
+/// boundary at or above both 4 GiB and the end of RAM.
+pub fn pci_mmio64_start(mem_size: u64) -> u64 {
+    ram_end(mem_size)
+        .max(HIGH_RAM_START)
+        .next_multiple_of(PCI_MMIO64_ALIGN)
+}
 
 /// Global descriptor table used for the 32-bit protected-mode entry.
 pub const GDT_ADDR: u64 = 0x500;
@@ -187,13 +222,14 @@ pub fn range_overlaps_mmio_hole(start: u64, end: u64) -> bool {
 /// - `[0x9fc00, 0x100000)` reserved (EBDA, VGA hole, BIOS area with the ACPI tables at
 ///   [`ACPI_START`] and the MP table at [`MPTABLE_START`]);
 /// - `[1 MiB, min(mem_size, 3 GiB))` RAM;
-/// - the IOAPIC and local-APIC pages inside the MMIO hole, reserved;
+/// - the PCI ECAM window and the IOAPIC and local-APIC pages inside the MMIO hole,
+///   reserved (the PCI BAR windows are left out: they are the OS's to assign);
 /// - `[4 GiB, 4 GiB + mem_size - 3 GiB)` RAM when `mem_size > 3 GiB`.
 ///
 /// Every RAM entry lies inside a region of [`ram_regions`] and every byte of RAM except the
 /// legacy area `[0x9fc00, 1 MiB)` is covered by a RAM entry.
 pub fn e820_map(mem_size: u64) -> Vec<E820Entry> {
-    let mut map = Vec::with_capacity(6);
+    let mut map = Vec::with_capacity(7);
     let low = low_ram_end(mem_size);
     if low > 0 {
         map.push(E820Entry {
@@ -214,6 +250,11 @@ pub fn e820_map(mem_size: u64) -> Vec<E820Entry> {
             kind: E820Kind::Ram,
         });
     }
+    map.push(E820Entry {
+        addr: PCI_ECAM_START,
+        size: PCI_ECAM_SIZE,
+        kind: E820Kind::Reserved,
+    });
     map.push(E820Entry {
         addr: IOAPIC_START,
         size: IOAPIC_SIZE,
@@ -309,6 +350,7 @@ mod tests {
                 ram(0, 0x9fc00),
                 res(0x9fc00, 0x60400),
                 ram(MIB, 127 * MIB),
+                res(0xe000_0000, 0x10_0000),
                 res(0xfec0_0000, 0x1000),
                 res(0xfee0_0000, 0x1000),
             ]
@@ -324,6 +366,7 @@ mod tests {
                 ram(0, 0x9fc00),
                 res(0x9fc00, 0x60400),
                 ram(MIB, 3 * GIB - MIB),
+                res(0xe000_0000, 0x10_0000),
                 res(0xfec0_0000, 0x1000),
                 res(0xfee0_0000, 0x1000),
             ]
@@ -339,6 +382,7 @@ mod tests {
                 ram(0, 0x9fc00),
                 res(0x9fc00, 0x60400),
                 ram(MIB, 3 * GIB - MIB),
+                res(0xe000_0000, 0x10_0000),
                 res(0xfec0_0000, 0x1000),
                 res(0xfee0_0000, 0x1000),
                 ram(4 * GIB, 1),
@@ -355,6 +399,7 @@ mod tests {
                 ram(0, 0x9fc00),
                 res(0x9fc00, 0x60400),
                 ram(MIB, 3 * GIB - MIB),
+                res(0xe000_0000, 0x10_0000),
                 res(0xfec0_0000, 0x1000),
                 res(0xfee0_0000, 0x1000),
                 ram(4 * GIB, 5 * GIB),
@@ -408,6 +453,34 @@ mod tests {
             }
         }
         assert_eq!(IOAPIC_ID, 0);
+    }
+
+    #[test]
+    fn pci_windows() {
+        // The 32-bit window, ECAM and the APIC pages: in the hole, disjoint, outside RAM.
+        const { assert!(PCI_MMIO32_START + PCI_MMIO32_SIZE == PCI_ECAM_START) };
+        const { assert!(PCI_ECAM_START + PCI_ECAM_SIZE <= IOAPIC_START) };
+        assert!(range_overlaps_mmio_hole(PCI_MMIO32_START, PCI_ECAM_START));
+        for mem_size in [MIN_MEM_SIZE, 3 * GIB, 3 * GIB + 1, 8 * GIB, 1 << 40] {
+            assert!(!ram_regions(mem_size)
+                .iter()
+                .any(|&(b, s)| b.0 < PCI_ECAM_START + PCI_ECAM_SIZE && PCI_MMIO32_START < b.0 + s));
+            let high = pci_mmio64_start(mem_size);
+            assert!(high >= ram_end(mem_size) && high >= 4 * GIB);
+            assert!(high.is_multiple_of(GIB) && high - ram_end(mem_size).max(4 * GIB) < GIB);
+            let map = e820_map(mem_size);
+            assert!(map.iter().any(|e| e.kind == E820Kind::Reserved
+                && e.addr == PCI_ECAM_START
+                && e.size == PCI_ECAM_SIZE));
+            assert!(!map
+                .iter()
+                .any(|e| e.addr < PCI_ECAM_START && e.end() > PCI_MMIO32_START));
+            assert!(!map.iter().any(|e| e.end() > high));
+        }
+        assert_eq!(pci_mmio64_start(128 * MIB), 4 * GIB);
+        assert_eq!(pci_mmio64_start(5 * GIB), 6 * GIB);
+        assert_eq!(pci_mmio64_start(5 * GIB + 1), 7 * GIB);
+        assert_eq!(PCI_IO_START + PCI_IO_SIZE, 0x1_0000);
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod layout;
 pub mod loader;
 pub mod mptable;
 pub mod multiboot;
+pub mod table_loader;
 
 #[cfg(test)]
 mod testutil;

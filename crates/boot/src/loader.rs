@@ -29,7 +29,9 @@ use crate::layout::{
     BOOT_STACK_POINTER, CMDLINE_ADDR, CMDLINE_MAX_SIZE, HIMEM_START, MEMMAP_ADDR, MEMMAP_MAX_SIZE,
     MIN_MEM_SIZE, MMIO_HOLE_START, MODLIST_ADDR, PVH_START_INFO_ADDR, ZERO_PAGE_ADDR,
 };
-use crate::multiboot::{self, MultibootHeader, MULTIBOOT_BOOTLOADER_MAGIC, MULTIBOOT_SEARCH};
+use crate::multiboot::{
+    self, BootArea, MultibootHeader, MULTIBOOT_BOOTLOADER_MAGIC, MULTIBOOT_SEARCH,
+};
 
 /// Linux boot protocol: the oldest version accepted (2.10: `pref_address`, `init_size`).
 pub const MIN_BOOT_PROTOCOL: u16 = 0x020a;
@@ -135,6 +137,9 @@ pub struct BootConfig {
     /// Guest-physical address of the ACPI RSDP, when ACPI tables are built: passed in PVH's
     /// `rsdp_paddr` and the zero page's `acpi_rsdp_addr`.
     pub rsdp: Option<u64>,
+    /// The kernel's path as the user named it: a Multiboot command line starts with it, as
+    /// GRUB and QEMU pass it ("KERNEL-PATH ARGS"). Not used by PVH or Linux.
+    pub image_name: Option<String>,
 }
 
 /// A readable, seekable source (the initrd); implemented for every `Read + Seek` type.
@@ -203,6 +208,29 @@ pub enum LoadError {
         /// File length.
         file_len: u64,
     },
+    /// Two PT_LOAD segments claim the same guest memory: one would silently overwrite the
+    /// other.
+    #[error("segments {first} ({first_start:#x}..{first_end:#x}) and {second} ({second_start:#x}..{second_end:#x}) overlap in physical memory")]
+    OverlappingSegments {
+        /// Program-header index of the lower segment.
+        first: usize,
+        /// Its physical range.
+        first_start: u64,
+        /// End of its physical range.
+        first_end: u64,
+        /// Program-header index of the segment that starts inside it.
+        second: usize,
+        /// Its physical range.
+        second_start: u64,
+        /// End of its physical range.
+        second_end: u64,
+    },
+    /// No room for the Multiboot boot structures where the kernel is not.
+    #[error("no room for the {size:#x} bytes of boot structures (GDT, Multiboot information, memory map, command line) outside the kernel, in conventional memory or low RAM")]
+    NoRoomForBootStructures {
+        /// Bytes needed.
+        size: u64,
+    },
     /// `p_filesz > p_memsz`.
     #[error("segment {index}: p_filesz {filesz:#x} is larger than p_memsz {memsz:#x}")]
     SegmentFileSizeTooLarge {
@@ -225,7 +253,8 @@ pub enum LoadError {
         /// End of guest RAM.
         ram_end: u64,
     },
-    /// A segment below 1 MiB, where the boot structures live.
+    /// A segment below 1 MiB, where the boot structures and firmware tables live (a
+    /// Multiboot kernel may load in conventional memory, not over the IVT or the BIOS area).
     #[error("segment {index}: guest-physical range [{start:#x}, {end:#x}) overlaps the boot-structure area below 1 MiB")]
     SegmentInBootArea {
         /// Program-header index.
@@ -501,8 +530,15 @@ fn align_down(v: u64, align: u64) -> u64 {
 }
 
 /// Checks that a segment `[start, start + len)` lies in RAM at or above 1 MiB and outside the
-/// MMIO hole.
-fn check_load_range(index: usize, start: u64, len: u64, mem_size: u64) -> Result<(), LoadError> {
+/// MMIO hole; with `low_ok` (Multiboot), also in conventional memory below the EBDA, above
+/// the IVT and BIOS data area.
+fn check_load_range(
+    index: usize,
+    start: u64,
+    len: u64,
+    mem_size: u64,
+    low_ok: bool,
+) -> Result<(), LoadError> {
     let Some(end) = start.checked_add(len) else {
         return Err(LoadError::SegmentOutsideRam {
             index,
@@ -512,6 +548,10 @@ fn check_load_range(index: usize, start: u64, len: u64, mem_size: u64) -> Result
         });
     };
     if start < HIMEM_START {
+        let conventional = start >= multiboot::LOW_KERNEL_MIN && end <= crate::layout::EBDA_START;
+        if low_ok && conventional && range_in_ram(mem_size, start, end) {
+            return Ok(());
+        }
         return Err(LoadError::SegmentInBootArea { index, start, end });
     }
     if range_in_ram(mem_size, start, end) {
@@ -557,6 +597,15 @@ fn write_cmdline<M: GuestMemoryBackend>(
     cmdline: &str,
     max_len: usize,
 ) -> Result<(), LoadError> {
+    write_cmdline_at(mem, cmdline, max_len, CMDLINE_ADDR)
+}
+
+fn write_cmdline_at<M: GuestMemoryBackend>(
+    mem: &M,
+    cmdline: &str,
+    max_len: usize,
+    addr: u64,
+) -> Result<(), LoadError> {
     let s = cmdline.trim();
     if s.len() > max_len {
         return Err(LoadError::CmdlineTooLong {
@@ -566,7 +615,7 @@ fn write_cmdline<M: GuestMemoryBackend>(
     }
     let mut c = Cmdline::new(max_len + 1).map_err(LoadError::CmdlineInvalid)?;
     c.insert_str(s).map_err(LoadError::CmdlineInvalid)?;
-    linux_loader::loader::load_cmdline(mem, GuestAddress(CMDLINE_ADDR), &c).map_err(|e| match e {
+    linux_loader::loader::load_cmdline(mem, GuestAddress(addr), &c).map_err(|e| match e {
         linux_loader::loader::Error::InvalidCommandLine => {
             LoadError::CmdlineInvalid(linux_loader::cmdline::Error::NullTerminator)
         }
@@ -646,6 +695,7 @@ where
         cmdline: cmdline.to_owned(),
         mem_size,
         rsdp: None,
+        image_name: None,
     };
     load_kernel_with_config(mem, kernel, initrd, &config)
 }
@@ -719,7 +769,14 @@ where
     let mut lowest = u64::MAX;
     let mut highest_low = HIMEM_START;
     for ph in image.loads().filter(|p| p.memsz > 0) {
-        check_load_range(ph.index, ph.paddr, ph.memsz, mem_size)?;
+        // Only Multiboot kernels (no PVH note) may load below 1 MiB.
+        check_load_range(
+            ph.index,
+            ph.paddr,
+            ph.memsz,
+            mem_size,
+            expected_pvh.is_none(),
+        )?;
         lowest = lowest.min(ph.paddr);
         if ph.paddr < MMIO_HOLE_START {
             highest_low = highest_low.max(ph.paddr + ph.memsz);
@@ -731,6 +788,7 @@ where
             value: 0,
         });
     }
+    check_no_overlap(image)?;
 
     if image.is_64 {
         // linux-loader loads ELF64 (p_filesz bytes of every PT_LOAD at p_paddr).
@@ -772,6 +830,27 @@ where
         )?;
     }
     Ok((lowest, highest_low))
+}
+
+/// Refuses PT_LOAD segments whose physical ranges overlap (ranges already checked to lie in
+/// RAM, so the ends do not overflow).
+fn check_no_overlap(image: &ElfImage) -> Result<(), LoadError> {
+    let mut loads: Vec<_> = image.loads().filter(|p| p.memsz > 0).collect();
+    loads.sort_by_key(|p| p.paddr);
+    for pair in loads.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        if a.paddr + a.memsz > b.paddr {
+            return Err(LoadError::OverlappingSegments {
+                first: a.index,
+                first_start: a.paddr,
+                first_end: a.paddr + a.memsz,
+                second: b.index,
+                second_start: b.paddr,
+                second_end: b.paddr + b.memsz,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The entry point must lie inside a loaded segment and below 4 GiB (32-bit entry).
@@ -897,9 +976,13 @@ where
         .map(|p| image.entry - p.vaddr + p.paddr)
         .unwrap_or(image.entry);
     check_entry(image, entry)?;
-    write_cmdline(mem, &config.cmdline, (CMDLINE_MAX_SIZE - 1) as usize)?;
     let (start, end) = load_elf_segments(mem, kernel, file_len, image, config.mem_size, None)?;
-    finish_multiboot(mem, entry, start, end, initrd, config)
+    let occupied: Vec<(u64, u64)> = image
+        .loads()
+        .filter(|p| p.memsz > 0)
+        .map(|p| (p.paddr, p.paddr + p.memsz))
+        .collect();
+    finish_multiboot(mem, entry, (start, end), &occupied, initrd, config)
 }
 
 fn load_multiboot_aout<M, K>(
@@ -946,7 +1029,7 @@ where
     } else {
         u64::from(h.bss_end_addr)
     };
-    check_load_range(0, load_start, mem_end - load_start, config.mem_size)?;
+    check_load_range(0, load_start, mem_end - load_start, config.mem_size, true)?;
     let entry = u64::from(h.entry_addr);
     if entry < load_start || entry >= mem_end {
         return Err(LoadError::InvalidEntryPoint {
@@ -954,7 +1037,6 @@ where
             reason: "not inside the range the Multiboot address fields load",
         });
     }
-    write_cmdline(mem, &config.cmdline, (CMDLINE_MAX_SIZE - 1) as usize)?;
     kernel
         .seek(SeekFrom::Start(file_start))
         .map_err(|source| LoadError::KernelIo {
@@ -968,32 +1050,54 @@ where
             source,
         })?;
     zero_mem(mem, "Multiboot bss", load_end, mem_end - load_end)?;
-    finish_multiboot(mem, entry, load_start, mem_end, initrd, config)
+    let occupied = [(load_start, mem_end)];
+    finish_multiboot(mem, entry, (load_start, mem_end), &occupied, initrd, config)
 }
 
+/// The boot structures, command line and initrd of a Multiboot boot, placed where the
+/// kernel (`occupied`, its loaded ranges spanning `kernel`) is not.
 fn finish_multiboot<M: GuestMemoryBackend>(
     mem: &M,
     entry: u64,
-    start: u64,
-    end: u64,
+    kernel: (u64, u64),
+    occupied: &[(u64, u64)],
     initrd: Option<&mut dyn ReadSeek>,
     config: &BootConfig,
 ) -> Result<BootEntry, LoadError> {
+    let area = BootArea::choose(occupied, config.mem_size)?;
+    let cmdline = match &config.image_name {
+        // GRUB and QEMU pass "KERNEL-PATH ARGS".
+        Some(name) => format!("{name} {}", config.cmdline.trim()),
+        None => config.cmdline.clone(),
+    };
+    write_cmdline_at(mem, &cmdline, (CMDLINE_MAX_SIZE - 1) as usize, area.cmdline)?;
+    // Above the kernel, the boot structures and the firmware area below 1 MiB.
+    let initrd_low = kernel
+        .1
+        .max(area.cmdline + CMDLINE_MAX_SIZE)
+        .max(HIMEM_START);
     let initrd = match initrd {
-        Some(f) => Some(load_initrd(mem, f, end, low_ram_end(config.mem_size))?),
+        Some(f) => Some(load_initrd(
+            mem,
+            f,
+            initrd_low,
+            low_ram_end(config.mem_size),
+        )?),
         None => None,
     };
-    let info = multiboot::write_info(mem, config.mem_size, CMDLINE_ADDR, initrd)?;
-    gdt::write_gdt(mem).map_err(|source| LoadError::GuestMemory {
+    let info = multiboot::write_info(mem, config.mem_size, &area, initrd)?;
+    gdt::write_gdt_at(mem, area.gdt).map_err(|source| LoadError::GuestMemory {
         what: "GDT",
-        addr: crate::layout::GDT_ADDR,
+        addr: area.gdt,
         source,
     })?;
     let mut be = boot_entry(BootProtocol::Multiboot, entry);
+    be.gdt_base = area.gdt;
+    be.stack_pointer = Some(area.stack_top as u32);
     be.eax = MULTIBOOT_BOOTLOADER_MAGIC;
     be.ebx = info as u32;
-    be.kernel_start = start;
-    be.kernel_end = end;
+    be.kernel_start = kernel.0;
+    be.kernel_end = kernel.1;
     be.initrd = initrd;
     Ok(be)
 }

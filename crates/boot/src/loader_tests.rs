@@ -154,6 +154,7 @@ fn pvh_with_rsdp_and_no_initrd() {
         cmdline: String::new(),
         mem_size: MEM,
         rsdp: Some(0xe0000),
+        image_name: None,
     };
     let mut k = Cursor::new(elf_image(&pvh_spec(true)));
     let be = load_kernel_with_config(&mem, &mut k, None, &config).unwrap();
@@ -176,8 +177,8 @@ fn pvh_5g_layout() {
     assert_eq!(be.protocol, BootProtocol::Pvh);
     assert_eq!(read_bytes(&mem, 4 * GIB + 0x1000, 64), pattern(64, 3));
     let si: hvm_start_info = mem.read_obj(GuestAddress(0x7000)).unwrap();
-    assert_eq!(si.memmap_entries, 6);
-    let last: hvm_memmap_table_entry = mem.read_obj(GuestAddress(0x9000 + 24 * 5)).unwrap();
+    assert_eq!(si.memmap_entries, 7);
+    let last: hvm_memmap_table_entry = mem.read_obj(GuestAddress(0x9000 + 24 * 6)).unwrap();
     assert_eq!((last.addr, last.size, last.type_), (4 * GIB, 2 * GIB, 1));
     // The initrd goes to the top of RAM below the hole.
     let (addr, len) = be.initrd.unwrap();
@@ -349,16 +350,76 @@ fn multiboot_aout_kludge() {
         load(&mem, bad, "", None, MEM),
         Err(LoadError::InvalidEntryPoint { .. })
     ));
-    // Loading below 1 MiB.
-    let mut bad = img.clone();
-    bad[0x40..0x60].copy_from_slice(&mb_header(
-        MB_HEADER_AOUT_KLUDGE,
-        Some([0x8040, 0x8000, 0, 0, 0x8080]),
+    // Over the IVT, or into the EBDA and BIOS area below 1 MiB: refused.
+    let low = [(0x540, 0x500, 0x580), (0x9_f040, 0x9_f000, 0x9_f080)];
+    for (header_addr, load_addr, entry) in low {
+        let mut bad = img.clone();
+        bad[0x40..0x60].copy_from_slice(&mb_header(
+            MB_HEADER_AOUT_KLUDGE,
+            Some([header_addr, load_addr, 0, 0, entry]),
+        ));
+        assert!(matches!(
+            load(&mem, bad, "", None, MEM),
+            Err(LoadError::SegmentInBootArea { .. })
+        ));
+    }
+}
+
+/// A Multiboot kernel linked at 0x8000 boots as under GRUB and QEMU (it used to be refused
+/// for overlapping the boot-structure area): the boot structures move where it is not, and
+/// the command line starts with the kernel's path.
+#[test]
+fn multiboot_kernel_below_1_mib_gets_boot_structures_elsewhere() {
+    let mut img = vec![0x90u8; 0x40];
+    img.extend_from_slice(&mb_header(
+        MB_HEADER_AOUT_KLUDGE | 2,
+        Some([0x8040, 0x8000, 0, 0x2_8000, 0x8080]),
     ));
-    assert!(matches!(
-        load(&mem, bad, "", None, MEM),
-        Err(LoadError::SegmentInBootArea { .. })
+    img.resize(0x1000, 0xf4);
+    let mem = guest_mem(MEM);
+    let config = BootConfig {
+        cmdline: " -v  a=1 ".into(),
+        mem_size: MEM,
+        rsdp: None,
+        image_name: Some("/boot/kernel.elf".into()),
+    };
+    let mut k = Cursor::new(img.clone());
+    let mut initrd = Cursor::new(pattern(3000, 5));
+    let be = load_kernel_with_config(&mem, &mut k, Some(&mut initrd), &config).unwrap();
+    assert_eq!((be.kernel_start, be.kernel_end), (0x8000, 0x2_8000));
+    assert_eq!(read_bytes(&mem, 0x8000, 0x1000), img);
+    // Everything the loader wrote lies outside [0x8000, 0x28000).
+    let outside = |addr: u64, len: u64| addr + len <= 0x8000 || addr >= 0x2_8000;
+    let info = u64::from(be.ebx);
+    assert!(outside(info, 116) && outside(be.gdt_base, 40), "{be:?}");
+    assert!(outside(u64::from(be.stack_pointer.unwrap()) - 0x100, 0x100));
+    let cmdline = u64::from(u32_at(&mem, info + 16));
+    let mmap = u64::from(u32_at(&mem, info + 48));
+    let mods = u64::from(u32_at(&mem, info + 24));
+    assert!(outside(cmdline, 0x1000) && outside(mmap, 0x1000) && outside(mods, 0x1000));
+    assert_eq!(read_cstr(&mem, cmdline), "/boot/kernel.elf -v  a=1");
+    assert_eq!(
+        read_cstr(&mem, u64::from(u32_at(&mem, info + 64))),
+        "ferrovm"
+    );
+    let (initrd_addr, initrd_len) = be.initrd.unwrap();
+    assert!(initrd_addr >= HIMEM_START && initrd_len == 3000);
+    let gdt: u64 = mem.read_obj(GuestAddress(be.gdt_base + 0x10)).unwrap();
+    assert_eq!(gdt, crate::gdt::GDT_CODE32);
+
+    // A kernel that fills conventional memory: the structures go above 1 MiB.
+    let mut big = img.clone();
+    big[0x40..0x60].copy_from_slice(&mb_header(
+        MB_HEADER_AOUT_KLUDGE | 2,
+        Some([0x1040, 0x1000, 0, 0x9_f000, 0x1080]),
     ));
+    let be = load(&mem, big, "", None, MEM).unwrap();
+    assert!(u64::from(be.ebx) >= HIMEM_START, "{be:?}");
+    // Without its path the command line is left as given (PVH, Linux, or no path).
+    assert_eq!(
+        read_cstr(&mem, u64::from(u32_at(&mem, u64::from(be.ebx) + 16))),
+        ""
+    );
 }
 
 #[test]
@@ -473,7 +534,7 @@ fn bzimage_not_relocatable_loads_at_1m_and_old_header_not_overcopied() {
         &zp[0x264..0x26c]
     );
     assert!(zp[..0x1e8].iter().all(|&b| b == 0));
-    assert_eq!(zp[0x1e8], 5); // e820_entries
+    assert_eq!(zp[0x1e8], 6); // e820_entries
     let bp: boot_params = mem.read_obj(GuestAddress(0x7000)).unwrap();
     assert_eq!({ bp.hdr.ramdisk_image }, 0);
     assert_eq!({ bp.hdr.code32_start }, 0x10_0000);
@@ -489,14 +550,15 @@ fn bzimage_rsdp_and_5g_initrd_below_initrd_addr_max() {
         cmdline: "quiet".into(),
         mem_size: size,
         rsdp: Some(0xf0000),
+        image_name: None,
     };
     let mut k = Cursor::new(bzimage(&BzSpec::default()));
     let mut initrd = Cursor::new(vec![1u8; 3000]);
     let be = load_kernel_with_config(&mem, &mut k, Some(&mut initrd), &config).unwrap();
     let bp: boot_params = mem.read_obj(GuestAddress(0x7000)).unwrap();
     assert_eq!({ bp.acpi_rsdp_addr }, 0xf0000);
-    assert_eq!(bp.e820_entries, 6);
-    let last = bp.e820_table[5];
+    assert_eq!(bp.e820_entries, 7);
+    let last = bp.e820_table[6];
     assert_eq!(
         ({ last.addr }, { last.size }, { last.r#type }),
         (4 * GIB, 2 * GIB, 1)
@@ -860,5 +922,38 @@ fn mutated_images_never_panic() {
             }
             let _ = load(&mem, m, "x", Some(vec![1; 100]), MEM);
         }
+    }
+}
+
+/// Overlapping PT_LOAD segments (one would overwrite the other) are refused, in both ELF
+/// classes, naming both segments; adjacent ones are fine.
+#[test]
+fn overlapping_segments_are_refused() {
+    for is_64 in [false, true] {
+        let spec = |second: u64| ElfSpec {
+            is_64,
+            entry: 0x10_0010,
+            notes: Some(pvh_note(0x10_0010)),
+            segments: vec![
+                Seg::new(0x10_0000, pattern(0x1800, 1), 0x4000),
+                Seg::new(second, pattern(0x100, 2), 0x100),
+            ],
+            ..Default::default()
+        };
+        let mem = guest_mem(MEM);
+        let e = load(&mem, elf_image(&spec(0x10_3000)), "", None, MEM).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LoadError::OverlappingSegments {
+                    first: 0,
+                    second: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("overlap"), "{e}");
+        load(&mem, elf_image(&spec(0x10_4000)), "", None, MEM).unwrap();
     }
 }

@@ -6,8 +6,9 @@
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 use crate::layout::{
-    e820_map, low_ram_end, E820Entry, EBDA_START, HIMEM_START, MEMMAP_ADDR, MEMMAP_MAX_SIZE,
-    MODLIST_ADDR, MULTIBOOT_INFO_ADDR,
+    e820_map, low_ram_end, E820Entry, BOOT_STACK_POINTER, CMDLINE_ADDR, CMDLINE_MAX_SIZE,
+    EBDA_START, GDT_ADDR, HIMEM_START, MEMMAP_ADDR, MEMMAP_MAX_SIZE, MODLIST_ADDR,
+    MULTIBOOT_INFO_ADDR,
 };
 use crate::loader::LoadError;
 
@@ -53,8 +54,97 @@ pub const MB_MODULE_SIZE: usize = 16;
 const MODULE_NAME: &[u8] = b"initrd\0";
 /// Boot-loader name.
 const LOADER_NAME: &[u8] = b"ferrovm\0";
-const MODULE_NAME_ADDR: u64 = MODLIST_ADDR + MB_MODULE_SIZE as u64;
-const LOADER_NAME_ADDR: u64 = MODULE_NAME_ADDR + 16;
+/// Offsets of the module name and the boot-loader name in the module-list page.
+const MODULE_NAME_OFFSET: u64 = MB_MODULE_SIZE as u64;
+const LOADER_NAME_OFFSET: u64 = MODULE_NAME_OFFSET + 16;
+
+/// The lowest address a Multiboot kernel may load at: the real-mode IVT and BIOS data area
+/// come first.
+pub const LOW_KERNEL_MIN: u64 = 0x1000;
+
+/// Where the boot structures of a Multiboot boot go: GDT, information structure, stack,
+/// memory map, module list (with the boot-loader strings) and command line.
+///
+/// Multiboot kernels may load below 1 MiB (a kernel linked at 0x8000 boots under GRUB and
+/// QEMU): the structures then go where the kernel is not, [`BootArea::choose`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BootArea {
+    pub gdt: u64,
+    pub info: u64,
+    pub stack_top: u64,
+    pub memmap: u64,
+    pub modlist: u64,
+    pub cmdline: u64,
+}
+
+impl BootArea {
+    /// The layout every boot protocol uses (`layout`'s fixed addresses).
+    pub const DEFAULT: BootArea = BootArea {
+        gdt: GDT_ADDR,
+        info: MULTIBOOT_INFO_ADDR,
+        stack_top: BOOT_STACK_POINTER,
+        memmap: MEMMAP_ADDR,
+        modlist: MODLIST_ADDR,
+        cmdline: CMDLINE_ADDR,
+    };
+
+    /// Bytes of a compact area: five 4 KiB pages, then the command line.
+    pub const COMPACT_SIZE: u64 = 0x5000 + CMDLINE_MAX_SIZE;
+
+    /// A compact area at `base` (4 KiB-aligned).
+    pub fn compact(base: u64) -> BootArea {
+        BootArea {
+            gdt: base,
+            info: base + 0x1000,
+            stack_top: base + 0x2ff0,
+            memmap: base + 0x3000,
+            modlist: base + 0x4000,
+            cmdline: base + 0x5000,
+        }
+    }
+
+    /// The guest ranges `[start, end)` the area writes.
+    fn ranges(&self) -> [(u64, u64); 6] {
+        let page = |a: u64| (a, a + 0x1000);
+        [
+            page(self.gdt),
+            page(self.info),
+            page(self.stack_top & !0xfff),
+            page(self.memmap),
+            page(self.modlist),
+            (self.cmdline, self.cmdline + CMDLINE_MAX_SIZE),
+        ]
+    }
+
+    /// The default area when no range of `kernel` touches it; otherwise the first compact
+    /// area, in conventional memory or from 1 MiB on, that none touches. Fails when nothing
+    /// fits.
+    pub fn choose(kernel: &[(u64, u64)], mem_size: u64) -> Result<BootArea, LoadError> {
+        let free = |start: u64, end: u64| kernel.iter().all(|&(s, e)| e <= start || s >= end);
+        if Self::DEFAULT.ranges().iter().all(|&(s, e)| free(s, e)) {
+            return Ok(Self::DEFAULT);
+        }
+        let low_end = low_ram_end(mem_size);
+        let fits = |base: u64| {
+            let end = base + Self::COMPACT_SIZE;
+            let in_ram = (base >= LOW_KERNEL_MIN && end <= EBDA_START)
+                || (base >= HIMEM_START && end <= low_end);
+            in_ram && free(base, end)
+        };
+        let mut candidates: Vec<u64> = [LOW_KERNEL_MIN, HIMEM_START]
+            .into_iter()
+            .chain(kernel.iter().map(|&(_, e)| (e + 0xfff) & !0xfff))
+            .collect();
+        candidates.sort_unstable();
+        candidates
+            .into_iter()
+            .find(|&base| fits(base))
+            .map(Self::compact)
+            .ok_or(LoadError::NoRoomForBootStructures {
+                size: Self::COMPACT_SIZE,
+            })
+    }
+}
 
 /// A Multiboot header found in a kernel image.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -153,15 +243,17 @@ fn write<M: GuestMemory + ?Sized>(
         .map_err(|source| LoadError::GuestMemory { what, addr, source })
 }
 
-/// Writes the Multiboot information structure at [`MULTIBOOT_INFO_ADDR`], its memory map at
-/// [`MEMMAP_ADDR`] and, with an initrd `(address, size)`, module 0 at [`MODLIST_ADDR`].
-/// Returns the address of the information structure (the value for EBX).
+/// Writes the Multiboot information structure, its memory map and, with an initrd
+/// `(address, size)`, module 0, where `area` says; the command line is expected at
+/// `area.cmdline`. Returns the address of the information structure (the value for EBX).
 pub fn write_info<M: GuestMemory + ?Sized>(
     mem: &M,
     mem_size: u64,
-    cmdline_addr: u64,
+    area: &BootArea,
     initrd: Option<(u64, u64)>,
 ) -> Result<u64, LoadError> {
+    let module_name_addr = area.modlist + MODULE_NAME_OFFSET;
+    let loader_name_addr = area.modlist + LOADER_NAME_OFFSET;
     let mut info = [0u8; MB_INFO_SIZE];
     let mut flags = MB_INFO_MEMORY | MB_INFO_CMDLINE | MB_INFO_MEM_MAP | MB_INFO_BOOT_LOADER_NAME;
     // KiB of conventional memory below the EBDA, and from 1 MiB to the first hole.
@@ -169,7 +261,7 @@ pub fn write_info<M: GuestMemory + ?Sized>(
     let mem_upper = (low_ram_end(mem_size).saturating_sub(HIMEM_START) / 1024) as u32;
     put(&mut info, 4, mem_lower);
     put(&mut info, 8, mem_upper);
-    put(&mut info, 16, cmdline_addr as u32);
+    put(&mut info, 16, area.cmdline as u32);
 
     let mmap = mmap_bytes(&e820_map(mem_size));
     // The map has a handful of entries; this guards against a layout change overflowing it.
@@ -180,26 +272,26 @@ pub fn write_info<M: GuestMemory + ?Sized>(
             max: MEMMAP_MAX_SIZE,
         });
     }
-    write(mem, "Multiboot memory map", MEMMAP_ADDR, &mmap)?;
+    write(mem, "Multiboot memory map", area.memmap, &mmap)?;
     put(&mut info, 44, mmap.len() as u32);
-    put(&mut info, 48, MEMMAP_ADDR as u32);
+    put(&mut info, 48, area.memmap as u32);
 
     if let Some((addr, size)) = initrd {
         flags |= MB_INFO_MODS;
         let mut module = [0u8; MB_MODULE_SIZE];
         put(&mut module, 0, addr as u32);
         put(&mut module, 4, (addr + size) as u32);
-        put(&mut module, 8, MODULE_NAME_ADDR as u32);
-        write(mem, "Multiboot module list", MODLIST_ADDR, &module)?;
-        write(mem, "Multiboot module name", MODULE_NAME_ADDR, MODULE_NAME)?;
+        put(&mut module, 8, module_name_addr as u32);
+        write(mem, "Multiboot module list", area.modlist, &module)?;
+        write(mem, "Multiboot module name", module_name_addr, MODULE_NAME)?;
         put(&mut info, 20, 1);
-        put(&mut info, 24, MODLIST_ADDR as u32);
+        put(&mut info, 24, area.modlist as u32);
     }
-    write(mem, "boot loader name", LOADER_NAME_ADDR, LOADER_NAME)?;
-    put(&mut info, 64, LOADER_NAME_ADDR as u32);
+    write(mem, "boot loader name", loader_name_addr, LOADER_NAME)?;
+    put(&mut info, 64, loader_name_addr as u32);
     put(&mut info, 0, flags);
-    write(mem, "Multiboot information", MULTIBOOT_INFO_ADDR, &info)?;
-    Ok(MULTIBOOT_INFO_ADDR)
+    write(mem, "Multiboot information", area.info, &info)?;
+    Ok(area.info)
 }
 
 #[cfg(test)]

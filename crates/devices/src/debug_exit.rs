@@ -12,8 +12,9 @@ use crate::exit::{ExitReason, ExitRequest};
 
 /// The port QEMU's default `isa-debug-exit,iobase=0xf4` uses.
 pub const DEBUG_EXIT_PORT: u64 = 0xf4;
-/// Ports claimed.
-pub const DEBUG_EXIT_LEN: u64 = 1;
+/// Ports claimed: four, as QEMU's `isa-debug-exit,iosize=4` (its default), so that a 1-,
+/// 2- or 4-byte write at 0xf4 all reach the device.
+pub const DEBUG_EXIT_LEN: u64 = 4;
 
 /// The debug-exit port. It has no guest-visible state to save.
 #[derive(Debug)]
@@ -40,8 +41,8 @@ impl BusDevice for DebugExit {
         data.fill(0);
     }
 
-    /// Any write counts; the status byte is its low byte (the first one:
-    /// port I/O is little-endian), as a byte-wide port would latch it.
+    /// Any write of 1, 2 or 4 bytes anywhere in the range counts, as with QEMU's device; the
+    /// status byte is the value's low byte (the first one: port I/O is little-endian).
     fn write(&mut self, _offset: u64, data: &[u8]) {
         if let Some(&v) = data.first() {
             self.exit.request(ExitReason::DebugExit(v));
@@ -71,13 +72,33 @@ mod tests {
         }
     }
 
+    /// Test kernels built for QEMU's `-device isa-debug-exit,iobase=0xf4,iosize=4` write
+    /// a byte, a word or a dword: the low byte is the value.
+    #[test]
+    fn byte_word_and_dword_writes_exit_with_the_low_byte() {
+        for (data, v) in [
+            (&[0x07][..], 7u8),
+            (&[0x07, 0x56][..], 7),
+            (&[0x31, 0x56, 0x34, 0x12][..], 0x31),
+        ] {
+            let (exit, bus) = setup();
+            assert!(bus.write(DEBUG_EXIT_PORT, data), "{data:?}");
+            assert_eq!(exit.reason(), Some(ExitReason::DebugExit(v)));
+        }
+        let (exit, bus) = setup();
+        let mut d = [0xaa; 4];
+        assert!(bus.read(DEBUG_EXIT_PORT, &mut d));
+        assert_eq!(d, [0; 4]);
+        assert!(!exit.is_requested());
+    }
+
     #[test]
     fn first_write_wins_and_wide_writes() {
         let (exit, bus) = setup();
         assert!(bus.write(DEBUG_EXIT_PORT, &[]));
         assert!(!exit.is_requested());
-        let mut d = [0xaa; 2];
-        assert!(!bus.read(DEBUG_EXIT_PORT, &mut d)); // wider than the port
+        let mut d = [0xaa; 8];
+        assert!(!bus.read(DEBUG_EXIT_PORT, &mut d)); // wider than the device
         assert!(bus.read(DEBUG_EXIT_PORT, &mut d[..1]));
         assert_eq!(d[0], 0);
         assert!(!exit.is_requested());

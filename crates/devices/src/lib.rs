@@ -43,6 +43,8 @@ pub mod i8042;
 pub mod irqchip;
 /// Pause, resume, save, restore, reset: the one device lifecycle.
 pub mod lifecycle;
+/// Bounded, non-blocking output queues for console devices.
+pub mod output;
 pub mod pit;
 /// Fast A20 and reset.
 pub mod port92;

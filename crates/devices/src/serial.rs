@@ -18,6 +18,7 @@ use vm_superio::{Serial, SerialState as UartState, Trigger};
 
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
+use crate::output::{OutputQueue, QueuedWriter, OUTPUT_QUEUE_BYTES};
 use crate::state::StateError;
 
 /// First port of COM1.
@@ -94,6 +95,12 @@ pub enum SerialError {
     OpenOutput {
         /// The file named by `--serial file:PATH`.
         path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// The output thread could not be started.
+    #[error("cannot start the serial output thread: {source}")]
+    Writer {
         /// The underlying error.
         source: io::Error,
     },
@@ -194,10 +201,11 @@ impl SerialState {
     }
 }
 
-/// The writer behind the UART. Every byte is written (and flushed) when the
-/// guest writes it, so output is never lost if the VMM dies.
+/// The writer behind the UART. Standard output and files are written by a thread of their
+/// own through a bounded queue: a reader that stops reading never blocks a vCPU (bytes that
+/// do not fit are dropped and counted).
 enum Out {
-    Stdout(io::Stdout),
+    Queued(QueuedWriter),
     Writer(Box<dyn Write + Send>),
     Discard,
 }
@@ -205,14 +213,14 @@ enum Out {
 impl Write for Out {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
-            Out::Stdout(s) => s.write(buf),
+            Out::Queued(q) => q.write(buf),
             Out::Writer(w) => w.write(buf),
             Out::Discard => Ok(buf.len()),
         }
     }
     fn flush(&mut self) -> io::Result<()> {
         match self {
-            Out::Stdout(s) => s.flush(),
+            Out::Queued(q) => q.flush(),
             Out::Writer(w) => w.flush(),
             Out::Discard => Ok(()),
         }
@@ -222,6 +230,8 @@ impl Write for Out {
 /// A 16550A UART on the I/O bus.
 pub struct SerialDevice {
     uart: Serial<IrqTrigger, NoEvents, Out>,
+    /// The queue in front of standard output or a file.
+    output: Option<Arc<OutputQueue>>,
     /// Output errors are logged once, not once per byte.
     output_error_logged: bool,
 }
@@ -237,15 +247,26 @@ impl std::fmt::Debug for SerialDevice {
 impl SerialDevice {
     /// A UART writing to `output`, interrupting through `irq`.
     pub fn new(output: &SerialOutput, irq: Arc<dyn IrqLine>) -> Result<Self, SerialError> {
-        let sink = match output {
-            SerialOutput::Stdout => Out::Stdout(io::stdout()),
-            SerialOutput::File(path) => Out::Writer(Box::new(open_output(path)?)),
-            SerialOutput::Sink => Out::Discard,
+        let out: Box<dyn Write + Send> = match output {
+            SerialOutput::Stdout => Box::new(io::stdout()),
+            SerialOutput::File(path) => Box::new(open_output(path)?),
+            SerialOutput::Sink => return Ok(Self::from_sink(Out::Discard, irq)),
         };
-        Ok(Self::from_sink(sink, irq))
+        let (queue, writer) = OutputQueue::spawn("serial-out", out, OUTPUT_QUEUE_BYTES)
+            .map_err(|source| SerialError::Writer { source })?;
+        let mut dev = Self::from_sink(Out::Queued(writer), irq);
+        dev.output = Some(queue);
+        Ok(dev)
     }
 
-    /// A UART writing to any writer (a pipe, an in-memory buffer in tests).
+    /// The queue in front of standard output or a file (not for `with_writer` or `none`):
+    /// for the count of bytes dropped, and to drain it at exit.
+    pub fn output_queue(&self) -> Option<Arc<OutputQueue>> {
+        self.output.clone()
+    }
+
+    /// A UART writing to any writer, from the vCPU thread: one that never blocks (an
+    /// in-memory buffer, a [`QueuedWriter`]).
     pub fn with_writer(out: Box<dyn Write + Send>, irq: Arc<dyn IrqLine>) -> Self {
         Self::from_sink(Out::Writer(out), irq)
     }
@@ -253,6 +274,7 @@ impl SerialDevice {
     fn from_sink(sink: Out, irq: Arc<dyn IrqLine>) -> Self {
         SerialDevice {
             uart: Serial::new(IrqTrigger(irq), sink),
+            output: None,
             output_error_logged: false,
         }
     }
@@ -442,6 +464,8 @@ mod tests {
         let mut lsr = [0u8];
         assert!(bus.read(COM1_BASE + 5, &mut lsr));
         assert_eq!(lsr[0] & 0x60, 0x60);
+        let queue = dev.lock().unwrap().output_queue().unwrap();
+        assert!(queue.drain(std::time::Duration::from_secs(10)));
         drop(dev);
         drop(bus);
         assert_eq!(std::fs::read(&path).unwrap(), b"Hello, ferrovm\n");

@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
 use vmm::config::{
     parse_boot_order, parse_console, parse_disk, parse_memory_size, parse_serial, IrqChipKind,
-    StartFrom, VmConfig, DEFAULT_FIRMWARE,
+    ShapeGiven, StartFrom, VmConfig, DEFAULT_FIRMWARE,
 };
 
 #[derive(Parser, Debug)]
@@ -63,21 +63,22 @@ pub struct RunArgs {
     /// The firmware's boot order: `disk` (every --disk in order) or `diskN,...`.
     #[arg(long, value_name = "disk|diskN,...", conflicts_with_all = ["kernel", "restore"])]
     pub boot: Option<String>,
-    /// Kernel command line.
-    #[arg(long, value_name = "S", default_value = "")]
-    pub cmdline: String,
+    /// Kernel command line (it may begin with a dash).
+    #[arg(long, value_name = "S", allow_hyphen_values = true)]
+    pub cmdline: Option<String>,
     /// Initial ramdisk.
     #[arg(long, value_name = "FILE")]
     pub initrd: Option<PathBuf>,
-    /// Number of vCPUs.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub cpus: u32,
-    /// Guest RAM, e.g. 512M or 2G (a bare number means MiB).
-    #[arg(long, value_name = "SIZE", default_value = "256M")]
-    pub memory: String,
-    /// Where the interrupt controllers live.
-    #[arg(long, value_enum, default_value = "kernel")]
-    pub irqchip: IrqChipArg,
+    /// Number of vCPUs (default 1; at most 254).
+    #[arg(long, value_name = "N")]
+    pub cpus: Option<u32>,
+    /// Guest RAM: a number with a unit B, K/KiB, M/MiB, G/GiB or T/TiB; a bare number means
+    /// MiB (default 256M).
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Option<String>,
+    /// Where the interrupt controllers live (default kernel).
+    #[arg(long, value_enum)]
+    pub irqchip: Option<IrqChipArg>,
     /// Accelerator.
     #[arg(long, value_enum, default_value = "auto")]
     pub accel: AccelArg,
@@ -128,10 +129,7 @@ impl RunArgs {
         if let Some((option, _)) = unsupported.iter().find(|(_, given)| *given) {
             bail!("{option}: not supported yet");
         }
-        if self.cpus == 0 {
-            bail!("--cpus 0: a guest needs at least one vCPU");
-        }
-        let memory = parse_memory_size(&self.memory)?;
+        self.check_restore_options()?;
         let (restore_verify, restore_eager) = (self.restore_verify, self.restore_eager);
         let disks: Vec<_> = self
             .disk
@@ -155,14 +153,24 @@ impl RunArgs {
         let mut config = VmConfig::new(start);
         config.firmware = firmware;
         config.boot_order = boot_order;
-        config.memory_text = self.memory;
-        config.memory = memory;
-        config.cmdline = self.cmdline;
+        config.shape_given = ShapeGiven {
+            memory: self.memory.is_some(),
+            cpus: self.cpus.is_some(),
+            irqchip: self.irqchip.is_some(),
+        };
+        if let Some(memory) = self.memory {
+            config.memory = parse_memory_size(&memory)?;
+            config.memory_text = memory;
+        }
+        if let Some(cpus) = self.cpus {
+            config.cpus = cpus;
+        }
+        check_cpus(config.cpus)?;
+        config.cmdline = self.cmdline.unwrap_or_default();
         config.initrd = self.initrd;
-        config.cpus = self.cpus;
         config.irqchip = match self.irqchip {
-            IrqChipArg::Kernel => IrqChipKind::Kernel,
-            IrqChipArg::Split => IrqChipKind::Split,
+            Some(IrqChipArg::Split) => IrqChipKind::Split,
+            Some(IrqChipArg::Kernel) | None => IrqChipKind::Kernel,
         };
         config.accel = match self.accel {
             AccelArg::Auto => AccelKind::Auto,
@@ -183,6 +191,41 @@ impl RunArgs {
     }
 }
 
+impl RunArgs {
+    /// A snapshot holds the kernel, its command line and initrd, in guest RAM: options for
+    /// them are refused with `--restore`, never ignored.
+    fn check_restore_options(&self) -> anyhow::Result<()> {
+        if self.restore.is_none() {
+            return Ok(());
+        }
+        let boot_only = [
+            ("--cmdline", self.cmdline.is_some()),
+            ("--initrd", self.initrd.is_some()),
+        ];
+        if let Some((option, _)) = boot_only.iter().find(|(_, given)| *given) {
+            bail!("{option} cannot be used with --restore: the snapshot holds the booted guest");
+        }
+        Ok(())
+    }
+}
+
+/// 1 to 254 vCPUs: xAPIC IDs are 8 bits, 0xff is the broadcast ID, and the MADT and MP
+/// table describe no more. (The accelerator's own limit, if lower, is checked once it is
+/// open.)
+fn check_cpus(cpus: u32) -> anyhow::Result<()> {
+    if cpus == 0 {
+        bail!("--cpus 0: a guest needs at least one vCPU");
+    }
+    let max = boot::layout::MAX_CPUS;
+    if cpus > max {
+        bail!(
+            "--cpus {cpus}: at most {max} vCPUs (xAPIC IDs are 8 bits and the firmware tables \
+             describe no more)"
+        );
+    }
+    Ok(())
+}
+
 #[derive(Args, Debug)]
 pub struct CtlArgs {
     /// The API socket of the ferrovm to control.
@@ -191,6 +234,10 @@ pub struct CtlArgs {
     /// Print one JSON object.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Seconds to wait for the reply; for `migrate`, between two progress reports.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
     #[command(subcommand)]
     pub request: CtlRequest,
 }
@@ -202,12 +249,17 @@ pub enum CtlRequest {
     /// Stop the vCPUs.
     Pause,
     /// Let the vCPUs run again.
-    Resume,
+    Resume {
+        /// Resume although the last migration's outcome is unknown (first make sure the
+        /// destination does not run the guest: it must never run twice).
+        #[arg(long)]
+        force: bool,
+    },
     /// Power the guest off.
     Shutdown,
     /// Write a snapshot of the machine to FILE.
     Snapshot { file: PathBuf },
-    /// Live-migrate to a `ferrovm run --incoming` listener.
+    /// Live-migrate to a `ferrovm run --incoming` listener. Ctrl-C cancels it.
     Migrate {
         /// tcp:HOST:PORT
         destination: String,
@@ -225,6 +277,8 @@ pub enum CtlRequest {
         #[arg(long)]
         warm: bool,
     },
+    /// Stop the migration in progress; the guest runs on here (or stays paused if it was).
+    MigrateCancel,
 }
 
 #[derive(Args, Debug)]

@@ -45,7 +45,9 @@ fn one_line(err: &anyhow::Error) -> String {
             line.push_str(&text);
         }
     }
-    line.replace('\n', " ")
+    // Messages may carry text from a migration peer: no control characters reach the
+    // terminal.
+    ctl::printable(&line.replace('\n', " "))
 }
 
 fn run(cli: Cli) -> anyhow::Result<u8> {

@@ -102,6 +102,11 @@ pub enum Error {
     /// Pages that failed their checksum during a live round and were never sent again.
     #[error("{count} guest pages arrived corrupted (first at guest address {first_addr:#x}) and were not sent again before the end of the migration")]
     TornPages { count: u64, first_addr: u64 },
+    /// The source sent the guest's final state, then lost the destination before hearing
+    /// whether it runs the guest (no `Ack`, no `Error`): the destination may be running it, so
+    /// the source guest must stay paused.
+    #[error("outcome unknown: the destination may be running the guest ({cause}); the guest stays paused here")]
+    OutcomeUnknown { cause: String },
     /// The peer reported an error (an `Error` frame).
     #[error("the {peer} reported an error: {message}")]
     Peer { peer: &'static str, message: String },
@@ -117,6 +122,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// True for [`Error::OutcomeUnknown`]: the source guest must not run again on its own.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(self, Error::OutcomeUnknown { .. })
+    }
+
     /// An error raised by a [`crate::DirtySource`] or [`crate::VmControl`] implementation.
     pub fn vmm(message: impl std::fmt::Display) -> Self {
         Error::Vmm(message.to_string())

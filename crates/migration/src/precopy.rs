@@ -16,8 +16,10 @@
 //! Pages ..., RoundEnd(final), State, End ─────▶  restore state, resume
 //!                 ◀───────────────────────────── Ack   ("destination running")
 //! ```
-//! Any error before the `Ack` resumes the source guest (if it was paused) and returns the
-//! error: a failed migration loses nothing.
+//! Any error before `End` is sent resumes the source guest (if it was paused) and returns the
+//! error: a failed migration loses nothing. After `End`, only the destination's `Error` frame
+//! resumes it; without `Ack` or `Error` the outcome is unknown ([`Error::OutcomeUnknown`]) and
+//! the guest stays paused, since it must never run on both hosts.
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -247,6 +249,8 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     send_time: Duration,
     send_bytes: u64,
     paused: bool,
+    /// The final state and `End` are on their way: the destination may run the guest.
+    final_sent: bool,
     tracking: bool,
     throttle: u8,
     max_throttle: u8,
@@ -256,9 +260,11 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
 /// the rest and its state, and returns once the destination acknowledged on `ack_in` (it
 /// runs the guest by then; the source stays paused and may be shut down).
 ///
-/// On any error before the acknowledgement the source guest is resumed (if it had been
-/// paused), un-throttled, dirty tracking is stopped, an `Error` frame is sent to the
-/// destination when the stream is still intact, and the error is returned.
+/// On any error before `End` is sent, or an `Error` frame from the destination after it, the
+/// source guest is resumed (if it had been paused), un-throttled, dirty tracking is stopped,
+/// an `Error` frame is sent to the destination when the stream is still intact, and the error
+/// is returned. Any other failure after `End` (the acknowledgement lost, a timeout) returns
+/// [`Error::OutcomeUnknown`] with the guest left paused: the destination may be running it.
 ///
 /// `ack_in` should have a read timeout (e.g. `TcpStream::set_read_timeout`), or a vanished
 /// destination blocks the source forever.
@@ -305,6 +311,7 @@ where
         send_time: Duration::ZERO,
         send_bytes: 0,
         paused: false,
+        final_sent: false,
         tracking: false,
         throttle: 0,
         max_throttle: 0,
@@ -316,6 +323,17 @@ where
                 vm.throttle(0);
             }
             Ok(report)
+        }
+        Err(e) if eng.final_sent && !matches!(e, Error::Peer { .. }) => {
+            // Only a refusal from the destination proves it does not run the guest; anything
+            // else (timeout, connection lost, garbage) leaves the guest paused here: it must
+            // never run twice.
+            if eng.tracking {
+                dirty.stop_tracking();
+            }
+            Err(Error::OutcomeUnknown {
+                cause: e.to_string(),
+            })
         }
         Err(e) => {
             if !eng.w.out.broken {
@@ -564,6 +582,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             total_zero_pages: sent.1,
         }))?;
         self.w.flush()?;
+        self.final_sent = true;
         let stop_and_copy = t_pause.elapsed();
         self.meter.phase = Phase::WaitingAck;
         self.meter.emit(self.w.bytes_written(), 0, true);

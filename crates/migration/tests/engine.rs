@@ -454,8 +454,10 @@ fn a_failed_write_resumes_the_source() {
     assert_eq!((sh.pauses, sh.resumes, sh.stops), (0, 0, 1));
 }
 
+/// The acknowledgement lost after `End`: the destination may be running the guest, so the
+/// source keeps it paused (it must never run twice) and says the outcome is unknown.
 #[test]
-fn a_missing_ack_resumes_the_source() {
+fn a_missing_ack_leaves_the_source_paused_with_an_unknown_outcome() {
     let (s, mut d, mut v) = source(|_| 10);
     let o = run(
         &s,
@@ -465,14 +467,17 @@ fn a_missing_ack_resumes_the_source() {
         // Ready and RoundAck(0), then nothing.
         Replies::AutoFirst(2),
     );
-    let e = o.report.unwrap_err().to_string();
+    let e = o.report.unwrap_err();
+    assert!(e.outcome_unknown(), "{e}");
     assert_eq!(
-        e,
-        "the destination closed the connection before its acknowledgement"
+        e.to_string(),
+        "outcome unknown: the destination may be running the guest (the destination closed \
+         the connection before its acknowledgement); the guest stays paused here"
     );
     let sh = s.borrow();
-    assert_eq!((sh.pauses, sh.resumes, sh.stops), (1, 1, 1));
-    // The destination is told why (an Error frame after End).
+    assert_eq!((sh.pauses, sh.resumes, sh.stops), (1, 0, 1));
+    assert!(sh.paused);
+    // Nothing follows End: the destination may already run the guest.
     drop(sh);
     let mut r = StreamReader::new(&o.stream[..]);
     let mut last = None;
@@ -482,7 +487,31 @@ fn a_missing_ack_resumes_the_source() {
         }
         last = Some(f);
     }
-    assert_eq!(last, Some(Frame::Error(format!("source: {e}"))));
+    assert!(matches!(last, Some(Frame::End(_))), "{last:?}");
+}
+
+/// A destination that refuses the final state (its restore failed) does not run the guest:
+/// the source resumes it.
+#[test]
+fn a_refusal_after_end_resumes_the_source() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let o = run(
+        &s,
+        &mut d,
+        &mut v,
+        &MigrationParams::default(),
+        Replies::Script(vec![
+            Frame::Ready,
+            Frame::RoundAck(0),
+            Frame::Error("restoring the vCPUs failed".into()),
+        ]),
+    );
+    let e = o.report.unwrap_err();
+    assert!(!e.outcome_unknown(), "{e}");
+    assert!(e.to_string().contains("restoring the vCPUs failed"), "{e}");
+    let sh = s.borrow();
+    assert_eq!((sh.pauses, sh.resumes, sh.stops), (1, 1, 1));
+    assert!(!sh.paused);
 }
 
 #[test]

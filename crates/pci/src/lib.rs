@@ -13,6 +13,27 @@ pub mod msix;
 
 use devices::Lifecycle;
 
+/// Configuration mechanism #1, ECAM and the BAR windows as bus devices.
+pub mod access;
+/// Bus 0: slots, BAR placement and dispatch.
+pub mod bus;
+/// The type-0 configuration header functions embed.
+pub mod config;
+/// The i440FX host bridge at 00:00.0.
+pub mod host_bridge;
+/// INTx routing to GSIs 16-19.
+pub mod intx;
+/// The PIIX ISA bridge and PM functions BIOS firmware sets up.
+pub mod piix;
+
+#[cfg(test)]
+mod bus_tests;
+
+pub use bus::{PciBus, PciBusState, PciError, PciLayout, Window};
+pub use config::{ConfigSpace, IntxPin, PciIds};
+pub use host_bridge::{HostBridge, PamListener};
+pub use intx::{intx_gsi, IntxLine, IntxRouter};
+
 /// An x86 MSI as the guest programs it (address 0xFEExxxxx, data with the vector).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MsiMessage {
@@ -66,6 +87,7 @@ pub trait PciDevice: Lifecycle {
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]);
     /// Serves a guest write inside BAR `bar`.
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]);
-    /// BAR `bar` now decodes at `base` (None: decoding off or unmapped).
+    /// BAR `bar` now decodes at `base` (None: decoding off or unmapped). Called by the
+    /// bus while it holds its configuration lock: must not call back into the bus.
     fn bar_moved(&mut self, _bar: usize, _base: Option<u64>) {}
 }

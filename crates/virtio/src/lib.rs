@@ -40,6 +40,10 @@ pub mod device_type {
 pub trait Interrupt: Send + Sync {
     fn signal_queue(&self, queue: u16);
     fn signal_config(&self);
+    /// The driver broke the protocol in a way the device cannot step over (a chain head
+    /// beyond the queue): DEVICE_NEEDS_RESET and a configuration interrupt (virtio 1.2,
+    /// 2.1.2). The device stops serving that queue until the driver resets it.
+    fn needs_reset(&self);
 }
 
 /// One queue handed to a device at activation.

@@ -29,6 +29,8 @@ const DATA_START: u64 = 16 << 20;
 pub struct TestInterrupt {
     counts: Mutex<HashMap<u16, u64>>,
     cond: Condvar,
+    /// Set by [`Interrupt::needs_reset`].
+    pub broken: std::sync::atomic::AtomicBool,
 }
 
 impl TestInterrupt {
@@ -61,6 +63,9 @@ impl Interrupt for TestInterrupt {
         self.cond.notify_all();
     }
     fn signal_config(&self) {}
+    fn needs_reset(&self) {
+        self.broken.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// One buffer of a chain, as the driver describes it.

@@ -182,6 +182,7 @@ impl Worker {
         let mut state = WorkerThread {
             control: control.clone(),
             mem: config.mem,
+            halted: vec![false; queues.len()],
             queues,
             interrupt: config.interrupt,
             extra: handler.extra_wakers(),
@@ -295,6 +296,8 @@ struct WorkerThread<M, H> {
     interrupt: Arc<dyn Interrupt>,
     extra: Vec<Arc<Waker>>,
     handler: H,
+    /// Queues the driver broke (see [`Interrupt::needs_reset`]): not served until reset.
+    halted: Vec<bool>,
 }
 
 impl<M, H> WorkerThread<M, H>
@@ -392,6 +395,9 @@ where
     /// Serves queue `slot` until it is empty, the handler cannot go on, or a command asks
     /// the worker to yield; signals the driver for what it completed.
     fn serve(&mut self, slot: usize) {
+        if self.halted.get(slot).copied().unwrap_or(true) {
+            return;
+        }
         let mem = self.mem.clone();
         let mem: &M = &mem;
         let mut pending_signal = 0u32;
@@ -426,6 +432,13 @@ where
                 break;
             };
             let head = chain.head_index();
+            if head >= self.queues[slot].queue.size() {
+                // No used entry can name this chain: the ring is beyond repair.
+                log::error!("virtio queue {index}: available head {head} is beyond the queue");
+                self.halted[slot] = true;
+                self.interrupt.needs_reset();
+                break;
+            }
             let len = self.handler.handle(mem, index, chain);
             if let Err(e) = self.queues[slot].queue.add_used(mem, head, len) {
                 log::error!("virtio queue {index}: cannot add used entry: {e}");

@@ -4,31 +4,34 @@
 //! lines before their final reply. Each connection is served on its own thread, so `status`
 //! answers while a migration runs.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use devices::exit::{ExitReason, ExitRequest};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::control::RunControl;
 use crate::error::{Error, Result};
-
-/// How long a pause may take before the request fails (and the guest keeps running).
-const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+use crate::runstate::{MigrationCancel, RunState, Supervisor};
 
 /// What a request may ask of the machine beyond pausing it.
 pub trait MachineOps: Send + Sync {
-    /// Writes a snapshot of the paused machine to `path`.
-    fn snapshot(&self, path: &Path) -> Result<Value>;
-    /// Migrates the machine; `progress` receives one JSON object per update. On success the
-    /// guest stays paused here and the caller ends this copy of the machine
-    /// ([`ExitReason::Migrated`]) once the reply is on its way.
-    fn migrate(&self, request: &MigrateRequest, progress: &mut dyn FnMut(Value)) -> Result<Value>;
+    /// Writes a snapshot of the machine to `path`. `paused`: the guest is paused already
+    /// (and stays so); otherwise it is paused for the snapshot and runs again after.
+    fn snapshot(&self, path: &Path, paused: bool) -> Result<Value>;
+    /// Migrates the machine; `progress` receives one JSON object per update; `cancel` stops
+    /// it. `paused`: the guest is paused already, and stays paused here on failure (and on the
+    /// destination). On success the guest stays paused here and the caller ends this copy of
+    /// the machine ([`ExitReason::Migrated`]) once the reply is on its way.
+    fn migrate(
+        &self,
+        request: &MigrateRequest,
+        paused: bool,
+        cancel: &MigrationCancel,
+        progress: &mut dyn FnMut(Value),
+    ) -> Result<Value>;
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -54,10 +57,17 @@ pub struct MigrateRequest {
 enum Request {
     Status,
     Pause,
-    Resume,
+    Resume {
+        /// Resume even though the last migration's outcome is unknown.
+        #[serde(default)]
+        force: bool,
+    },
     Shutdown,
-    Snapshot { path: PathBuf },
+    Snapshot {
+        path: PathBuf,
+    },
     Migrate(MigrateRequest),
+    MigrateCancel,
 }
 
 /// What the API reports about the machine.
@@ -68,55 +78,47 @@ pub struct MachineInfo {
 }
 
 pub struct Api {
-    pub control: Arc<RunControl>,
+    pub supervisor: Arc<Supervisor>,
     pub exit: Arc<ExitRequest>,
     pub info: MachineInfo,
-    pub ops: Option<Arc<dyn MachineOps>>,
     /// The last progress report of a migration in flight.
     pub migration: Mutex<Option<Value>>,
-    /// One snapshot or migration at a time.
-    busy: AtomicBool,
+    /// The serial console's output queue, for the count of bytes dropped.
+    pub serial: Option<Arc<devices::output::OutputQueue>>,
 }
 
 impl Api {
-    pub fn new(control: Arc<RunControl>, exit: Arc<ExitRequest>, info: MachineInfo) -> Self {
+    pub fn new(supervisor: Arc<Supervisor>, exit: Arc<ExitRequest>, info: MachineInfo) -> Self {
         Api {
-            control,
+            supervisor,
             exit,
             info,
-            ops: None,
             migration: Mutex::new(None),
-            busy: AtomicBool::new(false),
+            serial: None,
         }
     }
 
     fn status(&self) -> Value {
+        let (state, busy) = self.supervisor.status();
         let state = if self.exit.is_requested() {
-            "stopping"
-        } else if self.control.is_paused() {
-            "paused"
+            RunState::Stopping
         } else {
-            "running"
+            state
         };
         json!({
             "ok": true,
-            "state": state,
+            "state": state.name(),
+            "operation": busy.map(|op| op.name()),
             "vcpus": self.info.vcpus,
             "memory_bytes": self.info.memory,
             "irqchip": self.info.irqchip,
             "migration": self.migration.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            "serial_dropped_bytes": self.serial.as_ref().map_or(0, |q| q.dropped()),
         })
     }
 
-    fn exclusive<T>(&self, work: impl FnOnce() -> Result<T>) -> Result<T> {
-        if self.busy.swap(true, Ordering::AcqRel) {
-            return Err(Error::Control(
-                "a snapshot or migration is already in progress".into(),
-            ));
-        }
-        let result = work();
-        self.busy.store(false, Ordering::Release);
-        result
+    fn state_reply(state: RunState) -> Value {
+        json!({"ok": true, "state": state.name()})
     }
 
     /// Serves one request: the reply, and the exit to request once the reply has been
@@ -127,44 +129,40 @@ impl Api {
             Err(e) => return (error_reply(&format!("bad request: {e}")), None),
         };
         let mut then_exit = None;
+        let sup = &self.supervisor;
         let result = match request {
             Request::Status => return (self.status(), None),
-            Request::Pause => self
-                .control
-                .pause(PAUSE_TIMEOUT)
-                .map(|_| json!({"ok": true, "state": "paused"})),
-            Request::Resume => {
-                self.control.resume();
-                Ok(json!({"ok": true, "state": "running"}))
-            }
-            Request::Shutdown => {
+            Request::Pause => sup.pause().map(Self::state_reply),
+            Request::Resume { force } => sup.resume(force).map(Self::state_reply),
+            Request::Shutdown => sup.shutdown().map(|()| {
                 then_exit = Some(ExitReason::PowerOff);
-                Ok(json!({"ok": true, "state": "stopping"}))
+                Self::state_reply(RunState::Stopping)
+            }),
+            Request::Snapshot { path } => sup.snapshot(&path),
+            Request::MigrateCancel => sup
+                .cancel_migration()
+                .map(|()| json!({"ok": true, "cancelled": true})),
+            Request::Migrate(req) => {
+                let mut progress = |p: Value| {
+                    *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
+                    let _ = writeln!(stream, "{}", json!({"progress": p}));
+                };
+                let result = sup.migrate(&req, &mut progress);
+                *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                if result.is_ok() {
+                    // The destination runs the guest now: this copy must never run
+                    // again (its vCPUs stay paused until the process ends).
+                    then_exit = Some(ExitReason::Migrated);
+                }
+                result
             }
-            Request::Snapshot { path } => match &self.ops {
-                Some(ops) => self.exclusive(|| ops.snapshot(&path)),
-                None => Err(Error::NotSupportedYet { option: "snapshot" }),
-            },
-            Request::Migrate(req) => match &self.ops {
-                Some(ops) => self.exclusive(|| {
-                    let mut progress = |p: Value| {
-                        *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
-                        let _ = writeln!(stream, "{}", json!({"progress": p}));
-                    };
-                    let result = ops.migrate(&req, &mut progress);
-                    *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                    if result.is_ok() {
-                        // The destination runs the guest now: this copy must never run
-                        // again (its vCPUs stay paused until the process ends).
-                        then_exit = Some(ExitReason::Migrated);
-                    }
-                    result
-                }),
-                None => Err(Error::NotSupportedYet { option: "migrate" }),
-            },
         };
         let reply = match result {
             Ok(v) => v,
+            // Refused for the machine's state (HTTP's 409), not failed: nothing happened.
+            Err(e @ Error::Conflict(_)) => {
+                json!({"ok": false, "error": e.to_string(), "conflict": true})
+            }
             Err(e) => error_reply(&e.to_string()),
         };
         (reply, then_exit)
@@ -173,26 +171,6 @@ impl Api {
 
 fn error_reply(message: &str) -> Value {
     json!({"ok": false, "error": message})
-}
-
-/// Binds the socket, refusing to take over one a live process still serves.
-pub fn bind(path: &Path) -> Result<UnixListener> {
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            return Err(Error::Option {
-                option: "--api-socket",
-                value: path.display().to_string(),
-                reason: "another process is serving this socket".into(),
-            });
-        }
-        // A stale socket from a process that is gone.
-        let _ = std::fs::remove_file(path);
-    }
-    UnixListener::bind(path).map_err(|e| Error::Option {
-        option: "--api-socket",
-        value: path.display().to_string(),
-        reason: e.to_string(),
-    })
 }
 
 /// Serves the API until the process exits.
@@ -211,7 +189,23 @@ pub fn serve(listener: UnixListener, api: Arc<Api>) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Answers the first request of a client that may not use the API with the reason, and
+/// closes the connection.
+fn refuse_connection(mut stream: UnixStream, who: &str) {
+    log::warn!("API: refused a connection from {who}");
+    let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(1)));
+    let mut line = String::new();
+    let _ = BufReader::new((&stream).take(1 << 20)).read_line(&mut line);
+    let reply = error_reply("permission denied: this API serves its own user and root only");
+    let _ = writeln!(stream, "{reply}");
+}
+
 fn serve_connection(stream: UnixStream, api: &Api) {
+    match crate::socket::peer_allowed(&stream) {
+        Ok(true) => {}
+        Ok(false) => return refuse_connection(stream, "another user"),
+        Err(e) => return refuse_connection(stream, &format!("an unknown user ({e})")),
+    }
     let Ok(reader_half) = stream.try_clone() else {
         return;
     };
@@ -237,16 +231,5 @@ fn serve_connection(stream: UnixStream, api: &Api) {
         if written.is_err() {
             return;
         }
-    }
-}
-
-use std::io::Read as _;
-
-/// Removes the socket file when the machine stops.
-pub struct SocketGuard(pub PathBuf);
-
-impl Drop for SocketGuard {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
     }
 }

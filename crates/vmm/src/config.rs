@@ -68,8 +68,19 @@ pub enum StartFrom {
     Incoming(String),
 }
 
+/// Which of the machine's shape options the user gave (rather than left at their default):
+/// with `--restore` they are checked against the snapshot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShapeGiven {
+    pub memory: bool,
+    pub cpus: bool,
+    pub irqchip: bool,
+}
+
 #[derive(Clone, Debug)]
 pub struct VmConfig {
+    /// Which of memory, cpus and irqchip the user gave.
+    pub shape_given: ShapeGiven,
     pub start: StartFrom,
     pub cmdline: String,
     pub initrd: Option<PathBuf>,
@@ -106,6 +117,7 @@ pub const DEFAULT_FIRMWARE: &str = "/usr/share/seabios/bios-256k.bin";
 impl VmConfig {
     pub fn new(start: StartFrom) -> Self {
         VmConfig {
+            shape_given: ShapeGiven::default(),
             start,
             cmdline: String::new(),
             initrd: None,
@@ -158,13 +170,15 @@ pub fn parse_boot_order(text: &str, disks: usize) -> Result<Vec<usize>> {
     Ok(order)
 }
 
-/// Parses a memory size: a number with an optional unit K, M, G or T (powers of 1024, an
-/// optional `i`/`B` suffix accepted); a bare number means MiB, as with QEMU's `-m`.
+/// Parses a memory size: a whole number with a unit B, K/KiB, M/MiB, G/GiB or T/TiB (powers
+/// of 1024; the letter in either case); a bare number means MiB, as with QEMU's `-m`. Any
+/// other suffix is refused ("512MB" is ambiguous, "512X" a typo).
 pub fn parse_memory_size(text: &str) -> Result<u64> {
     let bad = || Error::Option {
         option: "--memory",
         value: text.to_string(),
-        reason: "expected a size such as 512M or 2G".into(),
+        reason: "expected a size such as 512M, 2G or 1GiB (units B, K/KiB, M/MiB, G/GiB, T/TiB)"
+            .into(),
     };
     let t = text.trim();
     let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
@@ -172,14 +186,13 @@ pub fn parse_memory_size(text: &str) -> Result<u64> {
         return Err(bad());
     }
     let number: u64 = t[..digits_end].parse().map_err(|_| bad())?;
-    let unit = t[digits_end..]
-        .trim_end_matches(['B', 'b'])
-        .trim_end_matches('i');
-    let shift = match unit {
-        "" | "M" | "m" => 20,
-        "K" | "k" => 10,
-        "G" | "g" => 30,
-        "T" | "t" => 40,
+    let unit = &t[digits_end..];
+    let shift = match unit.to_ascii_uppercase().as_str() {
+        "" | "M" | "MIB" => 20,
+        "B" => 0,
+        "K" | "KIB" => 10,
+        "G" | "GIB" => 30,
+        "T" | "TIB" => 40,
         _ => return Err(bad()),
     };
     number
@@ -278,10 +291,18 @@ mod tests {
         assert_eq!(parse_memory_size("2GiB").unwrap(), 2 * GIB);
         assert_eq!(parse_memory_size("4096k").unwrap(), 4 * MIB);
         assert_eq!(parse_memory_size("0").unwrap(), 0);
+        assert_eq!(parse_memory_size("512B").unwrap(), 512);
+        assert_eq!(parse_memory_size("3t").unwrap(), 3 << 40);
+        assert_eq!(parse_memory_size("64KiB").unwrap(), 64 << 10);
         for bad in [
             "",
             "G",
             "12X",
+            "512MB",
+            "1Gi",
+            "2GB",
+            "1iB",
+            "5BB",
             "-1",
             "1.5G",
             "99999999999999999999",

@@ -19,12 +19,11 @@ const THROTTLE_SLICE: Duration = Duration::from_millis(20);
 
 #[derive(Default)]
 struct Parked {
-    /// vCPUs out of the guest for this pause (capturing or parked).
-    arrived: usize,
-    /// vCPUs parked (their state captured, if asked for).
     count: usize,
-    /// Set while a pause wants every vCPU's state: the MSRs to read.
+    /// Set while a capture wants every parked vCPU's state: the MSRs to read.
     capture: Option<Arc<Vec<u32>>>,
+    /// Counts capture requests, so a parked vCPU serves each one once.
+    capture_round: u64,
     /// Captured states by vCPU id (or why capturing failed).
     states: Vec<Option<std::result::Result<VcpuState, String>>>,
 }
@@ -97,32 +96,22 @@ impl RunControl {
     }
 
     /// Called by a vCPU thread when it sees the pause flag: waits, outside the guest, until
-    /// the pause ends or the machine stops.
-    ///
-    /// When the pause captures state, each vCPU first completes its pending exit and then
-    /// waits until every vCPU is out of the guest before reading its own state: a vCPU
-    /// still running could otherwise send an IPI (or make a device interrupt) to one whose
-    /// local APIC was already read, and the interrupt would be lost on the destination.
+    /// the pause ends or the machine stops, saving its state whenever a capture asks.
     pub fn park(&self, stop: &AtomicBool, vcpu: &mut dyn Vcpu) {
-        let total = self.kickers.get().map_or(0, Vec::len);
         let mut parked = lock(&self.parked);
-        if let Some(msrs) = parked.capture.clone() {
-            drop(parked);
-            let finished = vcpu.finish_pending_exit();
-            parked = lock(&self.parked);
-            parked.arrived += 1;
-            self.cond.notify_all();
-            while parked.arrived < total && self.pause_requested() && !stop.load(Ordering::Acquire)
+        let mut served = parked.capture_round;
+        parked.count += 1;
+        self.cond.notify_all();
+        while self.pause_requested() && !stop.load(Ordering::Acquire) {
+            if let Some(msrs) = parked
+                .capture
+                .clone()
+                .filter(|_| served != parked.capture_round)
             {
-                parked = self
-                    .cond
-                    .wait_timeout(parked, Duration::from_millis(20))
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-            }
-            if parked.arrived >= total {
+                served = parked.capture_round;
                 drop(parked);
-                let state = finished
+                let state = vcpu
+                    .finish_pending_exit()
                     .and_then(|_| save_vcpu_state(vcpu, &msrs))
                     .map_err(|e| e.to_string());
                 parked = lock(&self.parked);
@@ -131,13 +120,9 @@ impl RunControl {
                     parked.states.resize(id + 1, None);
                 }
                 parked.states[id] = Some(state);
+                self.cond.notify_all();
+                continue;
             }
-        } else {
-            parked.arrived += 1;
-        }
-        parked.count += 1;
-        self.cond.notify_all();
-        while self.pause_requested() && !stop.load(Ordering::Acquire) {
             parked = self
                 .cond
                 .wait_timeout(parked, Duration::from_millis(100))
@@ -145,38 +130,52 @@ impl RunControl {
                 .0;
         }
         parked.count -= 1;
-        parked.arrived -= 1;
         self.cond.notify_all();
     }
 
-    /// Pauses and returns every vCPU's state, saved by its own thread.
+    /// Pauses and returns every vCPU's state, saved by its own thread. On failure the
+    /// vCPUs run again.
     pub fn pause_and_capture(&self, msrs: Vec<u32>, timeout: Duration) -> Result<Vec<VcpuState>> {
-        {
-            let mut parked = lock(&self.parked);
-            if parked.count > 0 {
-                return Err(Error::Control("the VM is already paused".into()));
-            }
-            parked.capture = Some(Arc::new(msrs));
-            parked.states.clear();
+        if self.is_paused() {
+            return Err(Error::Control("the VM is already paused".into()));
         }
-        let paused = self.pause(timeout);
+        self.pause(timeout)?;
+        self.capture(msrs, timeout).inspect_err(|_| self.resume())
+    }
+
+    /// Returns every vCPU's state while the VM is paused (it stays paused), each saved by its
+    /// own thread.
+    pub fn capture(&self, msrs: Vec<u32>, timeout: Duration) -> Result<Vec<VcpuState>> {
+        let vcpus = self.kickers.get().map_or(0, Vec::len);
+        if !self.is_paused() {
+            return Err(Error::Control("the VM is not paused".into()));
+        }
+        let deadline = Instant::now() + timeout;
         let mut parked = lock(&self.parked);
+        parked.capture = Some(Arc::new(msrs));
+        parked.capture_round += 1;
+        parked.states = vec![None; vcpus];
+        self.cond.notify_all();
+        while parked.states.iter().any(Option::is_none) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || parked.count < vcpus {
+                break;
+            }
+            parked = self
+                .cond
+                .wait_timeout(parked, left.min(Duration::from_millis(20)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
         parked.capture = None;
         let states = std::mem::take(&mut parked.states);
         drop(parked);
-        paused?;
         let mut out = Vec::with_capacity(states.len());
         for (id, state) in states.into_iter().enumerate() {
             match state {
                 Some(Ok(s)) => out.push(s),
-                Some(Err(e)) => {
-                    self.resume();
-                    return Err(Error::Control(format!("saving vCPU {id}: {e}")));
-                }
-                None => {
-                    self.resume();
-                    return Err(Error::Control(format!("vCPU {id} saved no state")));
-                }
+                Some(Err(e)) => return Err(Error::Control(format!("saving vCPU {id}: {e}"))),
+                None => return Err(Error::Control(format!("vCPU {id} saved no state"))),
             }
         }
         Ok(out)
@@ -216,6 +215,11 @@ impl RunControl {
             }
         }
         Ok(())
+    }
+
+    /// Before the vCPUs start: each parks before it first enters the guest.
+    pub fn start_paused(&self) {
+        self.pause_requested.store(true, Ordering::Release);
     }
 
     pub fn resume(&self) {

@@ -31,8 +31,16 @@ pub enum Error {
     Vcpu { id: u32, reason: String },
     #[error("{0}")]
     Control(String),
+    /// A request that conflicts with the machine's state or with an operation in progress
+    /// (HTTP's 409): "a snapshot is in progress".
+    #[error("{0}")]
+    Conflict(String),
     #[error("migration: {0}")]
     Migration(String),
+    /// The guest's final state was sent but the destination never said whether it runs the
+    /// guest: the guest stays paused here.
+    #[error("migration: {0}")]
+    MigrationOutcomeUnknown(String),
     #[error("machine state: {0}")]
     State(String),
     #[error("{0}")]

@@ -23,7 +23,9 @@
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use devices::fw_cfg::FwCfg;
 
 use hypervisor::{MemoryRegion, SegmentRegister, StandardRegisters, Vcpu, Vm};
 use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
@@ -31,6 +33,8 @@ use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddres
 use crate::config::{StartFrom, VmConfig};
 use crate::error::{Error, Result};
 use crate::memory::{self, GuestMemory};
+use crate::platform::PciHandles;
+use crate::state::SharedDevice;
 
 /// Smallest ROM accepted: one 64 KiB segment.
 pub const ROM_MIN_SIZE: u64 = 64 << 10;
@@ -326,9 +330,7 @@ pub fn fw_cfg_files(mem_size: u64, boot_paths: &[String]) -> Vec<(&'static str, 
         ),
     ];
     if !boot_paths.is_empty() {
-        let mut order = boot_paths.join("\n");
-        order.push('\n');
-        files.push(("bootorder", order.into_bytes()));
+        files.push(("bootorder", boot_paths.join("\n").into_bytes()));
     }
     files
 }
@@ -354,6 +356,80 @@ pub fn e820_table(mem_size: u64) -> Vec<u8> {
         table.extend_from_slice(&kind.code().to_le_bytes());
     }
     table
+}
+
+impl pci::PamListener for ShadowRam {
+    fn pam_changed(&self, pam: &[u8; pci::host_bridge::PAM_COUNT]) {
+        if let Err(e) = self.apply(pam) {
+            log::error!("shadow RAM: cannot apply the PAM registers {pam:02x?}: {e}");
+        }
+    }
+}
+
+/// Adds the PIIX ISA bridge (00:01.0) and PM function (00:01.3) to the bus; call before the
+/// virtio functions take their slots. Returns them for the lifecycle list.
+pub fn add_piix(pci: &PciHandles) -> Result<Vec<SharedDevice>> {
+    let pci_err = |e: pci::PciError| Error::Devices(format!("PIIX: {e}"));
+    let isa = Arc::new(Mutex::new(pci::piix::isa_bridge()));
+    let pm = Arc::new(Mutex::new(pci::piix::power_management()));
+    pci.bus
+        .add_device_at(pci::piix::PIIX_SLOT, isa.clone())
+        .map_err(pci_err)?;
+    pci.bus
+        .add_function_at(pci::piix::PIIX_SLOT, pci::piix::PM_FUNCTION, pm.clone())
+        .map_err(pci_err)?;
+    Ok(vec![isa, pm])
+}
+
+/// Connects the firmware to the machine: the host bridge's PAM registers drive the shadow
+/// RAM, and fw_cfg gets the files the firmware reads (memory map, console, boot order from
+/// the disks' PCI functions `disk_ids` in `config.boot_order`, ACPI tables).
+pub fn attach(
+    fw: &FirmwareMemory,
+    pci: &PciHandles,
+    fw_cfg: &Mutex<FwCfg>,
+    config: &VmConfig,
+    disk_ids: &[String],
+    acpi: &boot::acpi::AcpiTables,
+) -> Result<()> {
+    lock(&pci.host_bridge).set_pam_listener(fw.shadow.clone());
+    let boot_paths = config
+        .boot_order
+        .iter()
+        .map(|&i| {
+            disk_ids
+                .get(i)
+                .and_then(|id| boot_path(id))
+                .ok_or_else(|| Error::Devices(format!("--boot: disk{i} is not on the PCI bus")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let acpi_files = boot::table_loader::firmware_acpi_files(acpi).into_files();
+    let mut fw_cfg = lock(fw_cfg);
+    for (name, data) in fw_cfg_files(config.memory, &boot_paths)
+        .into_iter()
+        .chain(acpi_files)
+    {
+        fw_cfg
+            .add_file(name, data)
+            .map_err(|e| Error::Devices(e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// The boot-order path SeaBIOS matches for the PCI function with lifecycle id
+/// `pci-00:SS.F` ("/pci@i0cf8/*@SS" for function 0, "/pci@i0cf8/*@SS,F" otherwise).
+fn boot_path(id: &str) -> Option<String> {
+    let (slot, function) = id.strip_prefix("pci-00:")?.split_once('.')?;
+    let slot = u8::from_str_radix(slot, 16).ok()?;
+    let function: u8 = function.parse().ok()?;
+    Some(match function {
+        0 => format!("/pci@i0cf8/*@{slot:x}"),
+        f => format!("/pci@i0cf8/*@{slot:x},{f:x}"),
+    })
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Puts `vcpu` in the state the CPU has after RESET: real mode, CS:IP = F000:FFF0 with CS
@@ -525,13 +601,20 @@ mod tests {
         let get = |name: &str| files.iter().find(|f| f.0 == name).unwrap().1.clone();
         assert_eq!(get("etc/sercon-port"), vec![0xf8, 0x03]);
         assert_eq!(get("etc/show-boot-menu"), vec![0, 0]);
-        assert_eq!(
-            get("bootorder"),
-            b"/pci@i0cf8/*@3\n/pci@i0cf8/*@4\n".to_vec()
-        );
+        assert_eq!(get("bootorder"), b"/pci@i0cf8/*@3\n/pci@i0cf8/*@4".to_vec());
         assert!(!fw_cfg_files(256 << 20, &[])
             .iter()
             .any(|f| f.0 == "bootorder"));
+    }
+
+    #[test]
+    fn boot_paths() {
+        assert_eq!(boot_path("pci-00:02.0").unwrap(), "/pci@i0cf8/*@2");
+        assert_eq!(boot_path("pci-00:1f.0").unwrap(), "/pci@i0cf8/*@1f");
+        assert_eq!(boot_path("pci-00:01.3").unwrap(), "/pci@i0cf8/*@1,3");
+        for bad in ["serial", "pci-00:xx.0", "pci-00:02", "pci-01:02.0"] {
+            assert!(boot_path(bad).is_none(), "{bad}");
+        }
     }
 
     #[test]

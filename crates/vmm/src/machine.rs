@@ -4,7 +4,7 @@ use std::fs::File;
 use std::net::TcpListener;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use devices::acpi_pm::AcpiPm;
 use devices::bus::{Bus, IoDispatcher};
@@ -12,7 +12,7 @@ use devices::debug_exit::DebugExit;
 use devices::exit::{ExitReason, ExitRequest, Waker};
 use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
-use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, SplitIrqChipHandle, NUM_PINS};
+use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
 use devices::pit::Pit;
 use devices::port92::Port92;
 use devices::rtc::Rtc;
@@ -20,20 +20,26 @@ use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{
     open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
 };
+use pci::{HostBridge, PciBus, PciLayout, Window};
 
-use crate::api::{Api, MachineInfo, SocketGuard};
-use crate::config::{ConsoleConfig, IrqChipKind, SerialOutput, StartFrom, VmConfig};
+use crate::api::{Api, MachineInfo, MachineOps};
+use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::firmware;
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
 use crate::memory::{self, GuestMemory};
+use crate::platform::{add_virtio_devices, PciHandles, PlatformDevices, VirtioContext};
 use crate::restore::RestoreOptions;
+use crate::runstate::{RunState, Supervisor};
 use crate::snapshot::{self, Core};
-use crate::state::{DeviceList, SharedDevice};
+use crate::socket::SocketGuard;
+use crate::state::SharedDevice;
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 
+/// How long the guest's last console output may take to reach its reader at exit.
+const SERIAL_DRAIN_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// The ACPI SCI line, as the FADT and MADT advertise it.
 const ACPI_SCI_IRQ: u32 = 9;
 /// The CMOS RTC's periodic/alarm/update interrupt.
@@ -64,6 +70,8 @@ pub fn run(config: VmConfig) -> Result<Outcome> {
     machine.run()
 }
 
+type AckSender = migration::AckSender<snapshot::ReplyChannel>;
+
 /// How the vCPUs get their first state.
 enum Start {
     /// Already set: the boot protocol's entry state.
@@ -82,7 +90,9 @@ struct Machine {
     vcpus: Vec<Box<dyn Vcpu>>,
     context: Arc<VcpuContext>,
     timers: Option<TimerDevices>,
-    api: Option<(std::os::unix::net::UnixListener, Arc<Api>, SocketGuard)>,
+    api: Option<(std::os::unix::net::UnixListener, MachineInfo, SocketGuard)>,
+    /// COM1's output queue, drained at exit.
+    serial_output: Option<Arc<devices::output::OutputQueue>>,
 }
 
 fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
@@ -113,6 +123,7 @@ impl Machine {
         let mut config = config.clone();
         if let StartFrom::Restore(path) = &config.start {
             let saved = snapshot::peek_snapshot_config(path)?;
+            check_shape_against_snapshot(&config, &saved)?;
             config.memory = saved.memory_size;
             config.memory_text = format!("{}", saved.memory_size);
             config.cpus = saved.vcpus;
@@ -127,28 +138,19 @@ impl Machine {
         }
         let config = &config;
         let rom = firmware::rom_for(config)?;
-        if !config.disks.is_empty() || config.rng || config.console != ConsoleConfig::Serial {
-            return Err(Error::Option {
-                option: "--disk/--rng/--console",
-                value: String::new(),
-                reason: "virtio devices are not supported yet".into(),
-            });
-        }
         memory::validate_size(config.memory, &config.memory_text)?;
         let mut kernel = match &config.start {
             StartFrom::Kernel(path) => Some(open_kernel(config, path)?),
             _ => None,
         };
         let incoming = match &config.start {
-            StartFrom::Incoming(addr) => {
-                Some(TcpListener::bind(addr).map_err(|e| Error::Option {
-                    option: "--incoming",
-                    value: format!("tcp:{addr}"),
-                    reason: e.to_string(),
-                })?)
-            }
+            StartFrom::Incoming(addr) => Some(listen_for_migration(addr)?),
             _ => None,
         };
+        if let Some(path) = &config.initrd {
+            // A device or FIFO would be read as empty or hang: an initrd is a file.
+            crate::files::require_regular(path, "initrd")?;
+        }
         let mut initrd = match &config.initrd {
             Some(path) => Some(File::open(path).map_err(|e| Error::File {
                 path: path.clone(),
@@ -225,7 +227,8 @@ impl Machine {
 
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
-        let (pio, mmio, timers, device_list) = build_buses(
+        let guest_memory = Arc::new(guest_memory);
+        let (pio, mmio, timers, platform) = build_buses(
             config,
             &exit,
             &irqchip,
@@ -233,6 +236,39 @@ impl Machine {
             &timer_wake,
             caps.rtc_in_kernel,
         )?;
+        let piix = match &firmware_memory {
+            Some(_) => firmware::add_piix(&platform.pci)?,
+            None => Vec::new(),
+        };
+        let functions = add_virtio_devices(
+            config,
+            &VirtioContext {
+                vm: &vm,
+                caps: &caps,
+                memory: &guest_memory,
+                pci: &platform.pci,
+            },
+        )?;
+        if let Some(fw) = &firmware_memory {
+            let disk_ids: Vec<String> = functions
+                .iter()
+                .take(config.disks.len())
+                .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()).id())
+                .collect();
+            let pm_timer = caps.pm_timer_port.unwrap_or(boot::acpi::PM_TMR_BLK);
+            let acpi = boot::acpi::AcpiTables::new(config.cpus, config.memory, pm_timer)
+                .map_err(|e| Error::Firmware(e.to_string()))?;
+            firmware::attach(
+                fw,
+                &platform.pci,
+                &platform.fw_cfg,
+                config,
+                &disk_ids,
+                &acpi,
+            )?;
+        }
+        let serial_output = platform.serial_output.clone();
+        let device_list = platform.into_list(piix.into_iter().chain(functions).collect())?;
         if caps.rtc_in_kernel && (entry.is_some() || firmware_boot) {
             // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
             // would write (a restore brings them back with the kernel's state instead).
@@ -257,7 +293,6 @@ impl Machine {
             IrqChipKind::Kernel => "kernel",
             IrqChipKind::Split => "split",
         };
-        let guest_memory = Arc::new(guest_memory);
         let mut migration_config =
             snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions);
         if let Some(rom) = &rom {
@@ -278,21 +313,19 @@ impl Machine {
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
             restored: Default::default(),
+            snapshot_temp: Default::default(),
             // Asked again now that the VM exists: bhyve probes VM_SNAPSHOT_REQ on creation.
             kernel_snapshot: hv.capabilities().kernel_snapshot != Some(false),
         });
         let api = match &config.api_socket {
             Some(path) => {
-                let listener = crate::api::bind(path)?;
+                let (listener, guard) = crate::socket::bind(path)?;
                 let info = MachineInfo {
                     vcpus: config.cpus,
                     memory: config.memory,
                     irqchip: irqchip_name,
                 };
-                let mut api = Api::new(context.control.clone(), context.exit.clone(), info);
-                api.ops = Some(core.clone());
-                let api = Arc::new(api);
-                Some((listener, api, SocketGuard(path.clone())))
+                Some((listener, info, guard))
             }
             None => None,
         };
@@ -330,14 +363,16 @@ impl Machine {
             timers: Some(timers),
             api,
             start,
+            serial_output,
         })
     }
 
     /// Loads a snapshot or receives a migration into the machine before it runs. Returns
-    /// the acknowledgement to send once the guest runs (incoming migration).
-    fn prepare_start(&mut self) -> Result<Option<migration::AckSender<std::net::TcpStream>>> {
+    /// the acknowledgement to send once the guest runs (incoming migration), and whether the
+    /// guest starts paused (it was paused on the migration's source).
+    fn prepare_start(&mut self) -> Result<(Option<AckSender>, bool)> {
         let state = match std::mem::replace(&mut self.start, Start::Boot) {
-            Start::Boot => return Ok(None),
+            Start::Boot => return Ok((None, false)),
             Start::Restore(path, options) => {
                 let (state, mapped) = snapshot::load_snapshot(
                     &path,
@@ -359,17 +394,26 @@ impl Machine {
             }
         };
         let (state, ack) = state;
-        // Devices are restored paused and resumed as the guest starts: a device with work of
-        // its own (a virtio queue) takes it up only then.
-        let restored = self
-            .core
-            .devices
-            .pause()
-            .and_then(|_| state.restore_platform(self.core.vm.as_ref(), &self.core.devices))
-            .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus))
-            .and_then(|_| self.core.devices.resume());
+        // A snapshot always runs; a migrated guest stays paused if it was paused, which
+        // only an API can end. Devices are restored paused and resumed as the guest starts:
+        // a device with work of its own (a virtio queue) takes it up only then.
+        let paused = ack.is_some() && state.paused;
+        let restored = if paused && self.api.is_none() {
+            Err(Error::Migration(
+                "the guest was paused on the source, and this destination has no \
+                 --api-socket to resume it"
+                    .into(),
+            ))
+        } else {
+            self.core
+                .devices
+                .pause()
+                .and_then(|_| state.restore_platform(self.core.vm.as_ref(), &self.core.devices))
+                .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus))
+                .and_then(|_| self.core.devices.resume())
+        };
         match restored {
-            Ok(()) => Ok(ack),
+            Ok(()) => Ok((ack, paused)),
             Err(e) => {
                 if let Some(mut ack) = ack {
                     let _ = ack.fail(&e.to_string());
@@ -383,7 +427,11 @@ impl Machine {
     }
 
     fn run(mut self) -> Result<Outcome> {
-        let mut ack = self.prepare_start()?;
+        let (mut ack, start_paused) = self.prepare_start()?;
+        if start_paused {
+            // The vCPUs park before their first entry into the guest.
+            self.context.control.start_paused();
+        }
         let signals = SignalWatch::install()?;
         let timer_thread = match self.timers.take() {
             Some(devices) if devices.has_timers() => Some(TimerThread::spawn(devices)?),
@@ -418,9 +466,22 @@ impl Machine {
                 )));
             }
         }
+        let initial = if start_paused {
+            RunState::Paused
+        } else {
+            RunState::Running
+        };
+        let ops: Arc<dyn MachineOps> = self.core.clone();
+        let supervisor = Arc::new(Supervisor::new(
+            self.context.control.clone(),
+            Some(ops),
+            initial,
+        ));
         let _socket = match self.api.take() {
-            Some((listener, api, guard)) if start_error.is_none() => {
-                crate::api::serve(listener, api)?;
+            Some((listener, info, guard)) if start_error.is_none() => {
+                let mut api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
+                api.serial = self.serial_queue();
+                crate::api::serve(listener, Arc::new(api))?;
                 Some(guard)
             }
             other => other.map(|(_, _, guard)| guard),
@@ -430,10 +491,15 @@ impl Machine {
         } else {
             None
         };
+        supervisor.stopping();
+        // A snapshot still being written when the machine ends is abandoned: no half-written
+        // temporary file of the guest's size is left behind.
+        self.core.abandon_snapshot();
         let failures = stop_vcpus(&self.context, threads);
         if let Some(t) = timer_thread {
             t.stop();
         }
+        self.finish_serial_output();
         // A lazily restored snapshot whose page data proved corrupt: that is the error, however
         // the guest ended.
         let corrupt = self.core.restored.get().and_then(|m| {
@@ -454,6 +520,88 @@ impl Machine {
             Some(outcome) => Ok(outcome),
         }
     }
+}
+
+impl Machine {
+    /// Gives the guest's last console output a moment to reach its reader, and says how much
+    /// was dropped because nobody read it.
+    fn finish_serial_output(&self) {
+        let Some(queue) = self.serial_queue() else {
+            return;
+        };
+        if !queue.drain(SERIAL_DRAIN_AT_EXIT) {
+            log::warn!(
+                "serial: the reader of the guest's output is not reading; not waiting for it"
+            );
+        }
+        let dropped = queue.dropped();
+        if dropped > 0 {
+            log::warn!(
+                "serial: {dropped} bytes of guest output were dropped: its reader did not keep up"
+            );
+        }
+    }
+
+    fn serial_queue(&self) -> Option<Arc<devices::output::OutputQueue>> {
+        self.serial_output.clone()
+    }
+}
+
+/// With `--restore`, the snapshot decides the machine's shape: a `--memory`, `--cpus` or
+/// `--irqchip` given anyway must match it.
+fn check_shape_against_snapshot(
+    config: &VmConfig,
+    saved: &migration::MigrationConfig,
+) -> Result<()> {
+    let given = config.shape_given;
+    let irqchip = match config.irqchip {
+        IrqChipKind::Kernel => "kernel",
+        IrqChipKind::Split => "split",
+    };
+    let checks = [
+        (
+            "--memory",
+            given.memory && config.memory != saved.memory_size,
+            config.memory_text.clone(),
+            format!("{} MiB of RAM", saved.memory_size >> 20),
+        ),
+        (
+            "--cpus",
+            given.cpus && config.cpus != saved.vcpus,
+            config.cpus.to_string(),
+            saved.vcpus.to_string(),
+        ),
+        (
+            "--irqchip",
+            given.irqchip && irqchip != saved.irqchip,
+            irqchip.to_string(),
+            saved.irqchip.clone(),
+        ),
+    ];
+    match checks.into_iter().find(|(_, differs, _, _)| *differs) {
+        Some((option, _, value, saved_value)) => Err(Error::Option {
+            option,
+            value,
+            reason: format!(
+                "the snapshot's machine has {saved_value} (leave the option out with --restore)"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Binds the `--incoming` listener and says where it listens (the port the system picked
+/// for port 0).
+fn listen_for_migration(addr: &str) -> Result<TcpListener> {
+    let error = |e: std::io::Error| Error::Option {
+        option: "--incoming",
+        value: format!("tcp:{addr}"),
+        reason: e.to_string(),
+    };
+    let listener = TcpListener::bind(addr).map_err(error)?;
+    let local = listener.local_addr().map_err(error)?;
+    eprintln!("listening on {local}");
+    Ok(listener)
 }
 
 /// Writes the firmware tables and loads the kernel: the BSP's entry state.
@@ -478,6 +626,8 @@ fn load_firmware_and_kernel(
         cmdline: config.cmdline.clone(),
         mem_size: config.memory,
         rsdp: Some(rsdp),
+        // A Multiboot command line starts with the kernel's path, as GRUB and QEMU pass it.
+        image_name: Some(path.display().to_string()),
     };
     boot::load_kernel_with_config(
         guest_memory,
@@ -533,7 +683,7 @@ fn build_buses(
     split: Option<&Arc<SplitIrqChip>>,
     timer_wake: &Arc<TimerWake>,
     rtc_in_kernel: bool,
-) -> Result<(Bus, Bus, TimerDevices, DeviceList)> {
+) -> Result<(Bus, Bus, TimerDevices, PlatformDevices)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
@@ -569,6 +719,10 @@ fn build_buses(
         reason: e.to_string(),
     })?;
     let serial = serial.register_com1(&mut pio).map_err(devices_err)?;
+    let serial_output = serial
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .output_queue();
     DebugExit::new(exit.clone())
         .register(&mut pio)
         .map_err(devices_err)?;
@@ -579,40 +733,39 @@ fn build_buses(
     fw_cfg
         .add_file("etc/ferrovm/cmdline", config.cmdline.as_bytes().to_vec())
         .map_err(|e| Error::Devices(e.to_string()))?;
-    if config.firmware.is_some() {
-        // Boot order: filled in when the disks are on the PCI bus.
-        for (name, data) in firmware::fw_cfg_files(config.memory, &[]) {
-            fw_cfg
-                .add_file(name, data)
-                .map_err(|e| Error::Devices(e.to_string()))?;
-        }
-    }
     let fw_cfg = fw_cfg.register(&mut pio).map_err(devices_err)?;
+    let fw_cfg_handle = fw_cfg.clone();
     let acpi_pm = AcpiPm::new(exit.clone())
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
-    // The interrupt controller last: restoring the others may drive its lines.
-    let mut list: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
+    let pci = build_pci(
+        config.memory,
+        config.firmware.is_some(),
+        irqchip,
+        &mut pio,
+        &mut mmio,
+    )?;
+    let mut legacy: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
     if config.firmware.is_some() {
         // Fast A20 and reset: BIOS code and boot loaders use it.
         let port92 = Port92::new(exit.clone())
             .register(&mut pio)
             .map_err(devices_err)?;
-        list.push(port92);
+        legacy.push(port92);
         devices::debugcon::DebugCon::default()
             .register(&mut pio)
             .map_err(devices_err)?;
     }
-    list.extend(pit.iter().map(|d| d.clone() as SharedDevice));
-    list.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
-    if let Some(chip) = split {
-        list.push(Arc::new(Mutex::new(SplitIrqChipHandle(chip.clone()))));
-    }
-    let mut devices = DeviceList::default();
-    for device in list {
-        devices.add(device)?;
-    }
+    legacy.extend(pit.iter().map(|d| d.clone() as SharedDevice));
+    legacy.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
+    let devices = PlatformDevices {
+        fw_cfg: fw_cfg_handle,
+        serial_output,
+        legacy,
+        pci,
+        split: split.cloned(),
+    };
     let timers = TimerDevices {
         pit,
         rtc,
@@ -621,6 +774,46 @@ fn build_buses(
         gate: Arc::default(),
     };
     Ok((pio, mmio, timers, devices))
+}
+
+/// The PCI platform of every machine: bus 0 with the host bridge in slot 0, configuration
+/// mechanism #1 and the I/O BAR window on `pio`, ECAM and the memory BAR windows on `mmio`,
+/// in the windows `boot::layout` fixes (and the firmware tables describe), INTx lines on
+/// `irqchip`. Functions are added with `PciBus::add_device` through the returned handle
+/// before the vCPUs start; `PciBus::intx_line` gives a function its INTx line.
+fn build_pci(
+    memory: u64,
+    firmware: bool,
+    irqchip: &Arc<dyn IrqChip>,
+    pio: &mut Bus,
+    mmio: &mut Bus,
+) -> Result<PciHandles> {
+    use boot::layout::{
+        pci_mmio64_start, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_IO_SIZE, PCI_IO_START,
+        PCI_MMIO32_SIZE, PCI_MMIO32_START, PCI_MMIO64_SIZE,
+    };
+    let pci_err = |e: pci::PciError| Error::Devices(e.to_string());
+    let layout = PciLayout {
+        ecam: Window::new(PCI_ECAM_START, PCI_ECAM_SIZE),
+        // BIOS firmware places BARs itself, anywhere in the hole below the IOAPIC (SeaBIOS:
+        // downwards from there); the bus decodes all of it, ECAM excepted.
+        mmio32: if firmware {
+            Window::new(
+                PCI_MMIO32_START,
+                boot::layout::IOAPIC_START - PCI_MMIO32_START,
+            )
+        } else {
+            Window::new(PCI_MMIO32_START, PCI_MMIO32_SIZE)
+        },
+        mmio64: Window::new(pci_mmio64_start(memory), PCI_MMIO64_SIZE),
+        io: Window::new(PCI_IO_START, PCI_IO_SIZE),
+    };
+    let bus = Arc::new(PciBus::new(layout, irqchip.clone()).map_err(pci_err)?);
+    let host_bridge = Arc::new(std::sync::Mutex::new(HostBridge::new()));
+    bus.add_device_at(0, host_bridge.clone()).map_err(pci_err)?;
+    bus.register(pio, mmio)
+        .map_err(|e| Error::Devices(format!("PCI: {e}")))?;
+    Ok(PciHandles { bus, host_bridge })
 }
 
 /// Register state for a 32-bit flat protected-mode entry with paging off, which every boot
@@ -783,5 +976,60 @@ impl SignalWatch {
 impl Drop for SignalWatch {
     fn drop(&mut self) {
         SIGNAL_WAKE_FD.store(-1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_read(pio: &Bus, reg: u32) -> u32 {
+        assert!(pio.write(0xcf8, &(0x8000_0000 | reg).to_le_bytes()));
+        let mut data = [0u8; 4];
+        assert!(pio.read(0xcfc, &mut data));
+        u32::from_le_bytes(data)
+    }
+
+    /// What the guest changed on the PCI platform comes back through the machine state.
+    #[test]
+    fn pci_platform_round_trips_through_the_machine_state() {
+        let (mut pio, mut mmio) = (Bus::new(), Bus::new());
+        let irqchip: Arc<dyn IrqChip> = Arc::new(devices::serial::NoIrq);
+        let source = build_pci(256 << 20, false, &irqchip, &mut pio, &mut mmio).unwrap();
+        assert_eq!(config_read(&pio, 0), 0x1237_8086);
+        // PAM1 and the interrupt line through ECAM, the command register through CF8.
+        assert!(mmio.write(0xe000_005a, &[0x33]));
+        assert!(mmio.write(0xe000_003c, &[0x0b]));
+        assert!(pio.write(0xcf8, &0x8000_0004u32.to_le_bytes()));
+        assert!(pio.write(0xcfc, &[0x02, 0x04]));
+        let saved = as_list(&source).save().unwrap();
+        let json = serde_json::to_vec(&saved).unwrap();
+
+        let (mut pio, mut mmio) = (Bus::new(), Bus::new());
+        let target = build_pci(256 << 20, false, &irqchip, &mut pio, &mut mmio).unwrap();
+        as_list(&target)
+            .restore(&serde_json::from_slice(&json).unwrap())
+            .unwrap();
+        assert_eq!(config_read(&pio, 0x58) >> 16 & 0xff, 0x33, "PAM1");
+        assert_eq!(config_read(&pio, 4) & 0xffff, 0x0402, "command");
+        assert_eq!(lock_host_bridge(&target).pam()[1], 0x33);
+        assert_eq!(config_read(&pio, 0x3c) & 0xff, 0x0b, "interrupt line");
+    }
+
+    /// A machine's lifecycle list holding only the PCI platform.
+    fn as_list(pci: &PciHandles) -> crate::state::DeviceList {
+        PlatformDevices {
+            fw_cfg: Arc::new(std::sync::Mutex::new(FwCfg::new(1, 256 << 20))),
+            serial_output: None,
+            legacy: Vec::new(),
+            pci: pci.clone(),
+            split: None,
+        }
+        .into_list(Vec::new())
+        .unwrap()
+    }
+
+    fn lock_host_bridge(pci: &PciHandles) -> std::sync::MutexGuard<'_, HostBridge> {
+        pci.host_bridge.lock().unwrap()
     }
 }

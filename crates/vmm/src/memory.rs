@@ -17,8 +17,13 @@ pub use anon::AnonRegion;
 
 /// One region of guest RAM: vm-memory's mmap region on Linux; elsewhere [`AnonRegion`], as
 /// vm-memory's mmap backend builds on Linux only.
+///
+/// On Linux each region carries a dirty bitmap (one bit per 4 KiB page) in which vm-memory
+/// records every write the VMM itself makes through it: virtio devices writing used rings
+/// and read data. KVM's dirty log only sees the guest's own writes, so live migration ORs
+/// this bitmap into it.
 #[cfg(target_os = "linux")]
-pub type GuestRegion = vm_memory::GuestRegionMmap<()>;
+pub type GuestRegion = vm_memory::GuestRegionMmap<vm_memory::bitmap::AtomicBitmap>;
 #[cfg(not(target_os = "linux"))]
 pub type GuestRegion = AnonRegion;
 
@@ -67,8 +72,12 @@ pub fn validate_size(size: u64, text: &str) -> Result<()> {
         value: text.to_string(),
         reason,
     };
-    if size < MIB {
-        return Err(refuse("a guest needs at least 1 MiB of RAM".into()));
+    let min = boot::layout::MIN_MEM_SIZE;
+    if size < min {
+        return Err(refuse(format!(
+            "a guest needs at least {} MiB of RAM",
+            min / MIB
+        )));
     }
     if !size.is_multiple_of(4096) {
         return Err(refuse("must be a multiple of 4 KiB".into()));
@@ -106,7 +115,8 @@ pub fn create_guest_memory(size: u64, wired: bool) -> Result<GuestMemory> {
 #[cfg(target_os = "linux")]
 pub(crate) fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
     // MAP_NORESERVE: a large guest costs only the pages it touches.
-    let mapping = vm_memory::mmap::MmapRegionBuilder::new(len)
+    let dirty = vm_memory::bitmap::AtomicBitmap::new(len, DIRTY_PAGE_SIZE);
+    let mapping = vm_memory::mmap::MmapRegionBuilder::new_with_bitmap(len, dirty)
         .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
         .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
         .build()
@@ -114,6 +124,13 @@ pub(crate) fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> 
     GuestRegion::new(mapping, base)
         .ok_or_else(|| Error::Memory(format!("region at {:#x} overflows", base.0)))
 }
+
+/// The granule of the VMM's dirty bitmaps: KVM's dirty-log page.
+#[cfg(target_os = "linux")]
+const DIRTY_PAGE_SIZE: std::num::NonZeroUsize = match std::num::NonZeroUsize::new(4096) {
+    Some(size) => size,
+    None => unreachable!(),
+};
 
 /// FreeBSD overcommits anonymous memory (and has no MAP_NORESERVE): a large guest costs only
 /// the pages it touches.

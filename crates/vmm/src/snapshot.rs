@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,11 +20,14 @@ use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::memory::GuestMemory;
 use crate::restore::{self, MappedSnapshot, RestoreOptions};
+use crate::runstate::MigrationCancel;
 use crate::state::{DeviceList, MachineState};
 use crate::timers::TimerGate;
 
 /// How long a pause may take before a snapshot or migration gives up (the guest runs on).
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a new connection to `--incoming` may take to send its configuration.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A destination that stops reading or answering for this long is treated as gone.
 const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -38,7 +41,6 @@ pub struct Core {
     pub vm: Arc<dyn Vm>,
     pub regions: Vec<MemoryRegion>,
     pub control: Arc<RunControl>,
-    /// Every device, in the order they are paused, saved and restored.
     pub devices: DeviceList,
     /// The timer thread's gate (PIT and RTC deadlines), paused with the devices.
     pub timers: Arc<TimerGate>,
@@ -56,6 +58,16 @@ pub struct Core {
     pub kernel_snapshot: bool,
     /// Set after a lazy restore: guest RAM is mapped from that snapshot file.
     pub restored: std::sync::OnceLock<Arc<MappedSnapshot>>,
+    /// The temporary file of a snapshot being written, removed if the machine ends first.
+    pub snapshot_temp: std::sync::Mutex<SnapshotTemp>,
+}
+
+/// The temporary file of a snapshot in progress.
+#[derive(Default)]
+pub struct SnapshotTemp {
+    path: Option<PathBuf>,
+    /// The machine is ending: no new snapshot may start.
+    closed: bool,
 }
 
 /// The migration config of a machine: what the destination must match.
@@ -96,32 +108,74 @@ impl Core {
         Ok(())
     }
 
+    fn temp_state(&self) -> std::sync::MutexGuard<'_, SnapshotTemp> {
+        self.snapshot_temp.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Creates a snapshot's temporary file, never through a symlink or over another file,
+    /// and records it for [`Core::abandon_snapshot`].
+    fn create_snapshot_temp(&self, tmp: &Path) -> std::io::Result<File> {
+        let mut temp = self.temp_state();
+        if temp.closed {
+            return Err(std::io::Error::other("the VM is shutting down"));
+        }
+        let create = || File::options().write(true).create_new(true).open(tmp);
+        let file = match create() {
+            // Left by an earlier process with our pid: ours to replace.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                std::fs::remove_file(tmp)?;
+                create()?
+            }
+            other => other?,
+        };
+        temp.path = Some(tmp.to_path_buf());
+        Ok(file)
+    }
+
     /// Stops the machine for a snapshot or the last phase of a migration and returns every
     /// vCPU's state: first the timer thread and the devices, so that nothing raises an
     /// interrupt or touches guest memory once the vCPUs' state (their local APICs) is read,
-    /// then the vCPUs. On failure, whatever was paused runs again.
-    fn pause_machine(&self) -> Result<Vec<VcpuState>> {
+    /// then the vCPUs: paused here, or, for a guest the operator paused (`paused`), captured
+    /// where they are parked. On failure, whatever was paused here runs again.
+    fn pause_machine(&self, paused: bool) -> Result<Vec<VcpuState>> {
         self.timers.pause();
         if let Err(e) = self.devices.pause() {
             self.timers.resume();
             return Err(e);
         }
-        self.control
-            .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
-            .inspect_err(|_| {
-                // Device errors are logged; the pause failure is the one to report.
-                let _ = self.devices.resume();
-                self.timers.resume();
-            })
+        let vcpus = if paused {
+            self.control.capture(self.msrs.clone(), PAUSE_TIMEOUT)
+        } else {
+            self.control
+                .pause_and_capture(self.msrs.clone(), PAUSE_TIMEOUT)
+        };
+        vcpus.inspect_err(|_| {
+            // Device errors are logged; the pause failure is the one to report.
+            let _ = self.devices.resume();
+            self.timers.resume();
+        })
     }
 
-    /// Undoes `pause_machine`, in reverse order. Every part is resumed even if a device
-    /// fails to; that failure is returned.
-    fn resume_machine(&self) -> Result<()> {
-        self.control.resume();
+    /// Undoes `pause_machine(paused)` in reverse order: the vCPUs of a guest the operator
+    /// paused stay parked. Every part is resumed even if a device fails to; that failure is
+    /// returned.
+    fn resume_machine(&self, paused: bool) -> Result<()> {
+        if !paused {
+            self.control.resume();
+        }
         let devices = self.devices.resume();
         self.timers.resume();
         devices
+    }
+
+    /// Removes the temporary file of a snapshot still being written, and refuses new ones:
+    /// the machine ends.
+    pub fn abandon_snapshot(&self) {
+        let mut temp = self.temp_state();
+        temp.closed = true;
+        if let Some(path) = temp.path.take() {
+            let _ = std::fs::remove_file(path);
+        }
     }
 
     fn machine_state(&self, vcpus: Vec<VcpuState>) -> Result<MachineState> {
@@ -135,6 +189,8 @@ impl Core {
             },
             clock: self.vm.clock()?,
             devices: self.devices.save()?,
+            predates_pci: false,
+            paused: false,
         })
     }
 }
@@ -192,23 +248,19 @@ impl MachineOps for Core {
     /// into place once complete and on disk: an existing file at `path` — even the one this
     /// guest was lazily restored from and still maps — is replaced whole, never rewritten in
     /// place, and a failed snapshot leaves it as it was.
-    fn snapshot(&self, path: &Path) -> Result<Value> {
+    fn snapshot(&self, path: &Path, paused: bool) -> Result<Value> {
         self.check_can_save()?;
         let started = Instant::now();
         let file_err = |reason: String| Error::File {
             path: path.to_path_buf(),
             reason,
         };
-        let name = path
-            .file_name()
-            .ok_or_else(|| file_err("cannot create snapshot: not a file name".into()))?;
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(name);
-        tmp_name.push(format!(".{}.tmp", std::process::id()));
-        let tmp = path.with_file_name(tmp_name);
-        let file =
-            File::create(&tmp).map_err(|e| file_err(format!("cannot create snapshot: {e}")))?;
-        let result = self.pause_machine().and_then(|vcpus| {
+        let tmp = temp_path_beside(path)?;
+        crate::files::require_replaceable(path, "snapshot")?;
+        let file = self
+            .create_snapshot_temp(&tmp)
+            .map_err(|e| file_err(format!("cannot create snapshot: {e}")))?;
+        let result = self.pause_machine(paused).and_then(|vcpus| {
             let result = self.machine_state(vcpus).and_then(|state| {
                 let bytes = state.to_bytes()?;
                 let data_pages = self.restored.get().map(|m| m.data_pages());
@@ -216,10 +268,10 @@ impl MachineOps for Core {
                 migration::snapshot_file(&ram, &self.config, &bytes, &file)
                     .map_err(mig_err("snapshot"))
             });
-            let resumed = self.resume_machine();
+            let resumed = self.resume_machine(paused);
             result.and_then(|report| resumed.map(|()| report))
         });
-        let paused = started.elapsed();
+        let paused_for = started.elapsed();
         // The guest runs again while the file goes to disk and into place.
         let result = result.and_then(|report| {
             file.sync_all()
@@ -227,13 +279,15 @@ impl MachineOps for Core {
                 .map_err(|e| file_err(format!("cannot write snapshot: {e}")))?;
             Ok(report)
         });
-        let report = result.inspect_err(|_| {
+        if result.is_err() {
             let _ = std::fs::remove_file(&tmp);
-        })?;
+        }
+        self.temp_state().path = None;
+        let report = result?;
         Ok(json!({
             "ok": true,
             "path": path,
-            "paused_ms": ms(paused),
+            "paused_ms": ms(paused_for),
             "total_ms": ms(started.elapsed()),
             "bytes": report.bytes_total,
             "file_bytes": report.file_bytes,
@@ -243,32 +297,71 @@ impl MachineOps for Core {
         }))
     }
 
-    fn migrate(&self, request: &MigrateRequest, progress: &mut dyn FnMut(Value)) -> Result<Value> {
+    fn migrate(
+        &self,
+        request: &MigrateRequest,
+        paused: bool,
+        cancel: &MigrationCancel,
+        progress: &mut dyn FnMut(Value),
+    ) -> Result<Value> {
+        let here = if paused {
+            "the guest stays paused here"
+        } else {
+            "the guest keeps running here"
+        };
         let addr = parse_tcp(&request.destination, "destination")?;
         self.check_can_save()
-            .map_err(|e| Error::Migration(format!("{e} (the guest keeps running here)")))?;
-        let stream = connect(&addr)?;
-        stream.set_write_timeout(Some(PEER_TIMEOUT))?;
-        stream.set_read_timeout(Some(PEER_TIMEOUT))?;
-        let _ = stream.set_nodelay(true);
-        let ack_in = stream.try_clone()?;
-        let params = MigrationParams {
-            max_bandwidth: request.max_bandwidth,
-            downtime_target: Duration::from_millis(request.downtime_ms.unwrap_or(50)),
-            max_rounds: request.max_rounds.unwrap_or(30),
-            max_time: request.max_time_s.map(Duration::from_secs),
-            auto_converge: request.auto_converge,
-        };
-        if !request.warm && !self.dirty_tracking {
+            .map_err(|e| Error::Migration(format!("{e} ({here})")))?;
+        if !request.warm && !paused && !self.dirty_tracking {
             return Err(Error::Migration(
                 "live migration needs dirty-page tracking, which this accelerator lacks; \
                  use `migrate --warm` (pause, copy, resume on the destination) or a snapshot"
                     .into(),
             ));
         }
+        let stream = connect(&addr).map_err(|e| match e {
+            Error::Migration(m) => Error::Migration(format!("{m} ({here})")),
+            other => other,
+        })?;
+        stream.set_write_timeout(Some(PEER_TIMEOUT))?;
+        stream.set_read_timeout(Some(PEER_TIMEOUT))?;
+        let _ = stream.set_nodelay(true);
+        cancel.attach(stream.try_clone()?)?;
+        let result = self.migrate_over(stream, request, paused, cancel, progress);
+        self.control.set_throttle(0);
+        match result {
+            // The destination runs the guest now; the API ends this copy once the reply is
+            // written (the guest stays paused until then).
+            Ok(report) => Ok(json!({"ok": true, "report": report_json(&report)})),
+            Err(e @ migration::Error::OutcomeUnknown { .. }) => {
+                Err(Error::MigrationOutcomeUnknown(e.to_string()))
+            }
+            Err(_) if cancel.is_cancelled() => Err(Error::Migration(format!("cancelled ({here})"))),
+            Err(e) => Err(Error::Migration(format!("{e} ({here})"))),
+        }
+    }
+}
+
+impl Core {
+    /// Runs the migration engine over a connected stream. A guest found paused is migrated
+    /// warm (nothing can dirty its memory) and its state says so, so that the destination
+    /// keeps it paused. On failure, the guest runs again only if it was running.
+    fn migrate_over(
+        &self,
+        stream: TcpStream,
+        request: &MigrateRequest,
+        paused: bool,
+        cancel: &MigrationCancel,
+        progress: &mut dyn FnMut(Value),
+    ) -> migration::Result<MigrationReport> {
+        let ack_in = stream
+            .try_clone()
+            .map_err(|e| vm_error("the migration connection", e))?;
+        let params = params_of(request);
+        let warm = request.warm || paused;
         let mut live_dirty;
         let mut warm_dirty;
-        let dirty: &mut dyn DirtySource = if request.warm {
+        let dirty: &mut dyn DirtySource = if warm {
             warm_dirty = NothingDirty {
                 region_pages: self.regions.iter().map(|r| r.size / PAGE_SIZE).collect(),
             };
@@ -278,6 +371,7 @@ impl MachineOps for Core {
                 vm: self.vm.clone(),
                 regions: self.regions.clone(),
                 manual_protect: &self.manual_protect,
+                memory: &self.memory,
             };
             &mut live_dirty
         };
@@ -285,10 +379,14 @@ impl MachineOps for Core {
             core: self,
             captured: None,
             paused: false,
+            was_paused: paused,
         };
-        if request.warm {
+        if warm {
             // Warm migration: the guest stays paused from the first page to the hand-over.
-            control.captured = Some(self.pause_machine()?);
+            control.captured = Some(
+                self.pause_machine(paused)
+                    .map_err(|e| vm_error("pausing the machine", e))?,
+            );
             control.paused = true;
         }
         // After a lazy restore, pages still mapped from the snapshot file hold data too.
@@ -301,25 +399,40 @@ impl MachineOps for Core {
             BufWriter::with_capacity(1 << 20, stream),
             BufReader::new(ack_in),
             &params,
-            |p: &Progress| progress(progress_json(p)),
-        );
-        control.core.control.set_throttle(0);
-        match result {
-            // The destination runs the guest now; the API ends this copy once the reply is
-            // written (the guest stays paused until then).
-            Ok(report) => Ok(json!({"ok": true, "report": report_json(&report)})),
-            Err(e) => {
-                // The engine resumed the guest if it had paused it: it runs on here.
-                if control.paused {
-                    // A device that fails to resume is logged; the migration error is
-                    // the one to report.
-                    let _ = self.resume_machine();
+            |p: &Progress| {
+                if p.phase == migration::Phase::WaitingAck {
+                    cancel.final_state_sent();
                 }
-                Err(Error::Migration(format!(
-                    "{e} (the guest keeps running here)"
-                )))
-            }
+                progress(progress_json(p))
+            },
+        );
+        if result.as_ref().is_err_and(|e| !e.outcome_unknown()) && control.paused {
+            // Paused before the engine ran (warm): the engine leaves that to us.
+            let _ = control.resume();
         }
+        result
+    }
+}
+
+/// The hidden temporary file a snapshot to `path` is written to before the rename.
+fn temp_path_beside(path: &Path) -> Result<PathBuf> {
+    let name = path.file_name().ok_or_else(|| Error::File {
+        path: path.to_path_buf(),
+        reason: "cannot create snapshot: not a file name".into(),
+    })?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    Ok(path.with_file_name(tmp_name))
+}
+
+fn params_of(request: &MigrateRequest) -> MigrationParams {
+    MigrationParams {
+        max_bandwidth: request.max_bandwidth,
+        downtime_target: Duration::from_millis(request.downtime_ms.unwrap_or(50)),
+        max_rounds: request.max_rounds.unwrap_or(30),
+        max_time: request.max_time_s.map(Duration::from_secs),
+        auto_converge: request.auto_converge,
     }
 }
 
@@ -332,6 +445,8 @@ struct VmDirty<'a> {
     vm: Arc<dyn Vm>,
     regions: Vec<MemoryRegion>,
     manual_protect: &'a std::sync::OnceLock<bool>,
+    /// Guest RAM as the VMM's devices write it, with their dirty bitmaps.
+    memory: &'a GuestMemory,
 }
 
 fn vm_error(context: &str, e: impl std::fmt::Display) -> migration::Error {
@@ -367,10 +482,11 @@ impl DirtySource for VmDirty<'_> {
         let mut words = Vec::with_capacity(self.regions.len());
         let manual = self.manual_protect.get().copied().unwrap_or(false);
         for r in &self.regions {
-            let bits = self.vm.dirty_log(r.slot, r.size).map_err(to_mig)?;
+            let mut bits = self.vm.dirty_log(r.slot, r.size).map_err(to_mig)?;
             if manual {
                 self.vm.clear_dirty_pages(r.slot, &bits).map_err(to_mig)?;
             }
+            add_device_writes(self.memory, r.guest_addr, &mut bits);
             words.push(bits);
         }
         Ok(Bitmap::from_words(words))
@@ -384,6 +500,26 @@ impl DirtySource for VmDirty<'_> {
         }
     }
 }
+
+/// ORs into `bits` (KVM's log of the region at `guest_addr`) the pages the VMM's own devices
+/// wrote since the last call, and clears those. Both bitmaps have one bit per 4 KiB page from
+/// the region's start.
+#[cfg(target_os = "linux")]
+fn add_device_writes(memory: &GuestMemory, guest_addr: u64, bits: &mut [u64]) {
+    use vm_memory::bitmap::AtomicBitmap;
+    use vm_memory::{GuestAddress, GuestMemoryBackend, MmapRegion};
+    let Some(region) = memory.find_region(GuestAddress(guest_addr)) else {
+        return;
+    };
+    let mapping: &MmapRegion<AtomicBitmap> = region;
+    for (word, device) in bits.iter_mut().zip(mapping.bitmap().get_and_reset()) {
+        *word |= device;
+    }
+}
+
+/// Elsewhere there is no dirty log to complete (live migration needs one).
+#[cfg(not(target_os = "linux"))]
+fn add_device_writes(_memory: &GuestMemory, _guest_addr: u64, _bits: &mut [u64]) {}
 
 /// Warm migration: the guest is paused before the first page is sent, so nothing changes.
 struct NothingDirty {
@@ -406,6 +542,8 @@ struct VmPause<'a> {
     core: &'a Core,
     captured: Option<Vec<VcpuState>>,
     paused: bool,
+    /// The guest was paused before the migration: it stays paused whatever happens.
+    was_paused: bool,
 }
 
 impl VmControl for VmPause<'_> {
@@ -416,7 +554,7 @@ impl VmControl for VmPause<'_> {
         }
         let states = self
             .core
-            .pause_machine()
+            .pause_machine(false)
             .map_err(|e| vm_error("pausing the machine", e))?;
         self.captured = Some(states);
         self.paused = true;
@@ -424,9 +562,11 @@ impl VmControl for VmPause<'_> {
     }
 
     fn resume(&mut self) -> migration::Result<()> {
-        self.paused = false;
+        if !std::mem::take(&mut self.paused) {
+            return Ok(());
+        }
         self.core
-            .resume_machine()
+            .resume_machine(self.was_paused)
             .map_err(|e| vm_error("resuming the machine", e))
     }
 
@@ -435,10 +575,12 @@ impl VmControl for VmPause<'_> {
             .captured
             .take()
             .ok_or_else(|| vm_error("saving state", "the vCPUs are not paused"))?;
-        self.core
+        let mut state = self
+            .core
             .machine_state(vcpus)
-            .and_then(|s| s.to_bytes())
-            .map_err(|e| vm_error("saving state", e))
+            .map_err(|e| vm_error("saving state", e))?;
+        state.paused = self.was_paused;
+        state.to_bytes().map_err(|e| vm_error("saving state", e))
     }
 
     fn throttle(&mut self, percent: u8) {
@@ -485,6 +627,8 @@ fn connect(addr: &str) -> Result<TcpStream> {
 
 /// Reads the machine configuration at the start of a snapshot file.
 pub fn peek_snapshot_config(path: &Path) -> Result<MigrationConfig> {
+    // Opening a FIFO would wait for a writer forever; a device is no snapshot either.
+    crate::files::require_regular(path, "snapshot")?;
     let file = File::open(path).map_err(|e| Error::File {
         path: path.to_path_buf(),
         reason: format!("cannot open snapshot: {e}"),
@@ -530,20 +674,89 @@ pub fn load_snapshot(
 /// the machine state and the sender of the final acknowledgement.
 pub struct Incoming {
     pub state: MachineState,
-    pub ack: migration::AckSender<TcpStream>,
+    pub ack: migration::AckSender<ReplyChannel>,
     pub figures: Value,
 }
 
+/// The destination's reply channel, watched for its first frame: until the destination has
+/// accepted the source's configuration (`Ready`), no guest page has been written.
+pub struct ReplyChannel {
+    stream: TcpStream,
+    first_frame_seen: bool,
+    /// Set when the first frame written is `Ready`.
+    accepted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The `Ready` frame's kind byte (docs/migration.md).
+const READY_KIND: u8 = 8;
+
+impl std::io::Write for ReplyChannel {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.stream.write(buf)?;
+        if !self.first_frame_seen && n > 0 {
+            self.first_frame_seen = true;
+            if buf[0] == READY_KIND {
+                self.accepted
+                    .store(true, std::sync::atomic::Ordering::Release);
+                // A source that passed the handshake gets the patience a migration needs.
+                self.stream.set_read_timeout(Some(PEER_TIMEOUT))?;
+            }
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+/// Waits on `listener` for a migration and receives it. A connection that fails before its
+/// configuration is accepted (a port scanner, garbage, a peer that closes, a mismatched
+/// machine) is logged and the wait goes on; a failure after that ends the wait (guest RAM
+/// then holds part of a guest).
 pub fn receive_migration(
     listener: &TcpListener,
     memory: &GuestMemory,
     expected: &MigrationConfig,
 ) -> Result<Incoming> {
-    let (stream, peer) = listener.accept()?;
-    log::info!("incoming migration from {peer}");
-    stream.set_read_timeout(Some(PEER_TIMEOUT))?;
+    loop {
+        let (stream, peer) = listener.accept()?;
+        log::info!("incoming migration from {peer}");
+        let accepted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reply = ReplyChannel {
+            stream: stream.try_clone()?,
+            first_frame_seen: false,
+            accepted: accepted.clone(),
+        };
+        match receive_from(stream, reply, memory, expected) {
+            Ok(incoming) => return Ok(incoming),
+            Err(e) if !accepted.load(std::sync::atomic::Ordering::Acquire) => {
+                log::warn!(
+                    "incoming connection from {peer} refused: {e}; still waiting for a migration"
+                );
+            }
+            Err(e) => {
+                let reason = match e {
+                    Error::Migration(m) => m,
+                    other => other.to_string(),
+                };
+                return Err(Error::Migration(format!(
+                    "incoming migration from {peer}: {reason}"
+                )));
+            }
+        }
+    }
+}
+
+fn receive_from(
+    stream: TcpStream,
+    reply: ReplyChannel,
+    memory: &GuestMemory,
+    expected: &MigrationConfig,
+) -> Result<Incoming> {
+    // Until its configuration is accepted, a peer that says nothing is not a migration.
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(PEER_TIMEOUT))?;
-    let reply = stream.try_clone()?;
     let started = Instant::now();
     let result = migration::receive(
         memory,
@@ -551,10 +764,9 @@ pub fn receive_migration(
         reply,
         expected,
     )
-    .map_err(|e| Error::Migration(format!("incoming migration from {peer}: {e}")))?;
-    let state = MachineState::from_bytes(&result.state)?;
+    .map_err(|e| Error::Migration(e.to_string()))?;
     Ok(Incoming {
-        state,
+        state: MachineState::from_bytes(&result.state)?,
         ack: result.ack,
         figures: json!({"receive_ms": ms(started.elapsed())}),
     })

@@ -97,14 +97,28 @@ impl DeviceList {
     /// exactly: a state with a device this machine lacks, or without one it has, comes
     /// from another machine shape and is refused, naming the devices, before any device
     /// is touched.
+    #[cfg(test)]
     pub fn restore(&self, states: &BTreeMap<String, DeviceState>) -> Result<()> {
+        self.restore_keeping(states, &[])
+    }
+
+    /// [`DeviceList::restore`], except that the devices named in `keep` may be absent from
+    /// `states`: they stay as built (a state from before they existed).
+    pub fn restore_keeping(
+        &self,
+        states: &BTreeMap<String, DeviceState>,
+        keep: &[&str],
+    ) -> Result<()> {
         let ours: BTreeSet<&str> = self.ids().collect();
         let unknown: Vec<&str> = states
             .keys()
             .map(String::as_str)
             .filter(|id| !ours.contains(id))
             .collect();
-        let missing: Vec<&str> = self.ids().filter(|id| !states.contains_key(*id)).collect();
+        let missing: Vec<&str> = self
+            .ids()
+            .filter(|id| !states.contains_key(*id) && !keep.contains(id))
+            .collect();
         if !unknown.is_empty() || !missing.is_empty() {
             return Err(Error::State(shape_mismatch(&unknown, &missing)));
         }
@@ -147,7 +161,18 @@ pub struct MachineState {
     pub clock: ClockData,
     /// Each device's state by its id.
     pub devices: BTreeMap<String, DeviceState>,
+    /// Read from a format 1 state, made before machines had a PCI platform: its host
+    /// bridge and bus stay as built.
+    #[serde(skip)]
+    pub predates_pci: bool,
+    /// The guest was paused when it was saved: a migration destination keeps it paused.
+    #[serde(default)]
+    pub paused: bool,
 }
+
+/// The devices every machine has had since the PCI platform (format 2); a format 1 state
+/// lacks them.
+const PCI_PLATFORM_IDS: [&str; 2] = ["pci-00:00.0", "pci-bus"];
 
 /// The devices of a format 1 state: one field per device, named as the ids are now, and
 /// `split_irqchip`; absent devices were `null`. Their payloads are the version 1 layouts.
@@ -189,7 +214,9 @@ impl MachineState {
                         serde_json::to_value(devices).map_err(malformed)?,
                     );
                 }
-                serde_json::from_value(value).map_err(malformed)
+                let mut state: MachineState = serde_json::from_value(value).map_err(malformed)?;
+                state.predates_pci = true;
+                Ok(state)
             }
             Some(n) if n == u64::from(STATE_FORMAT) => {
                 serde_json::from_value(value).map_err(malformed)
@@ -207,7 +234,12 @@ impl MachineState {
         if let Some(chip) = &self.kernel_irqchip {
             vm.set_irqchip_state(chip)?;
         }
-        devices.restore(&self.devices)?;
+        let keep: &[&str] = if self.predates_pci {
+            &PCI_PLATFORM_IDS
+        } else {
+            &[]
+        };
+        devices.restore_keeping(&self.devices, keep)?;
         vm.set_clock(&self.clock)?;
         Ok(())
     }

@@ -619,8 +619,6 @@ fn looping_and_dangling_chains_end() {
     // A next index past the table.
     rig.driver.store_desc(0, 203, header.0, 16, next, 9999);
     rig.driver.publish(0, 203);
-    // A head index past the table: consumed, but it has no id the used ring could take.
-    rig.driver.publish(0, 4000);
     rig.driver.kick(0);
     let used = rig.driver.wait_used(0, 3);
     assert_eq!(used[0], (200, 1));
@@ -633,6 +631,33 @@ fn looping_and_dangling_chains_end() {
         states.is_empty(),
         "a running device publishes no queue state"
     );
+}
+
+#[test]
+fn a_head_beyond_the_queue_needs_reset() {
+    let mut rig = Rig::new("blk-bad-head", 1 << 20, |_| {});
+    // No used entry could name this chain: the device asks for a reset and stops the queue.
+    rig.driver.publish(0, 4000);
+    rig.driver.kick(0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !rig
+        .driver
+        .interrupt
+        .broken
+        .load(std::sync::atomic::Ordering::SeqCst)
+    {
+        assert!(std::time::Instant::now() < deadline, "no NEEDS_RESET");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let header = rig.header(VIRTIO_BLK_T_IN, 0);
+    let (buf, status) = (rig.driver.alloc(512), rig.driver.alloc(1));
+    rig.driver.add_chain(
+        0,
+        &[Buf::r(header, 16), Buf::w(buf, 512), Buf::w(status, 1)],
+    );
+    rig.driver.kick(0);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(rig.driver.used_idx(0), 0, "a halted queue served a request");
 }
 
 #[test]

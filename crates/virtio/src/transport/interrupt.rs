@@ -8,7 +8,7 @@
 //! irqfd write on KVM, a lock-free MSI injection elsewhere). Lock order:
 //! transport (the VMM's lock around the PCI function) → this mutex → MsiTarget / IrqChip.
 
-use std::sync::atomic::{AtomicU16, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use devices::irqchip::IrqPin;
@@ -38,6 +38,9 @@ pub struct VirtioInterrupt {
     queue_vectors: Vec<AtomicU16>,
     config_vector: AtomicU16,
     config_generation: AtomicU8,
+    /// Set by a device thread that found the driver broke the protocol; the transport ORs it
+    /// into the device status as DEVICE_NEEDS_RESET until the driver resets the device.
+    broken: AtomicBool,
 }
 
 impl VirtioInterrupt {
@@ -54,6 +57,7 @@ impl VirtioInterrupt {
             queue_vectors: (0..num_queues).map(|_| AtomicU16::new(NO_VECTOR)).collect(),
             config_vector: AtomicU16::new(NO_VECTOR),
             config_generation: AtomicU8::new(0),
+            broken: AtomicBool::new(false),
         }
     }
 
@@ -165,7 +169,13 @@ impl VirtioInterrupt {
             slot.store(NO_VECTOR, Ordering::Release);
         }
         self.config_vector.store(NO_VECTOR, Ordering::Release);
+        self.broken.store(false, Ordering::Release);
         self.take_isr();
+    }
+
+    /// Whether a device thread reported a protocol error ([`Interrupt::needs_reset`]).
+    pub fn broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
     }
 
     /// Power-on: [`Self::reset_virtio`] plus the MSI-X state and the INTx-disable bit.
@@ -243,5 +253,11 @@ impl Interrupt for VirtioInterrupt {
         // The driver re-reads the configuration when the generation moved.
         self.config_generation.fetch_add(1, Ordering::AcqRel);
         self.signal(self.config_vector(), ISR_CONFIG);
+    }
+
+    fn needs_reset(&self) {
+        if !self.broken.swap(true, Ordering::AcqRel) {
+            self.signal_config();
+        }
     }
 }

@@ -182,7 +182,11 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioPciDevice<M> {
 
     /// The device status register.
     pub fn status(&self) -> u8 {
-        self.common.status
+        if self.interrupt.broken() {
+            self.common.status | STATUS_NEEDS_RESET
+        } else {
+            self.common.status
+        }
     }
 
     /// BAR0's base while the notify addresses are registered as ioeventfds.

@@ -64,7 +64,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioPciDevice<M> {
     }
 
     pub(super) fn common_image(&self) -> layout::CommonCfg {
-        common::image(
+        let mut image = common::image(
             &self.common,
             &ImageInputs {
                 device_features: self.offered_features,
@@ -72,7 +72,11 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioPciDevice<M> {
                 queue_msix_vector: self.interrupt.queue_vector(self.common.queue_select),
                 config_generation: self.interrupt.config_generation(),
             },
-        )
+        );
+        if self.interrupt.broken() {
+            image.device_status |= STATUS_NEEDS_RESET;
+        }
+        image
     }
 
     fn write_common(&mut self, field: Field, value: u64) {

@@ -226,7 +226,7 @@ impl<M: GuestMemory + Send + Sync + 'static> Lifecycle for VirtioPciDevice<M> {
             driver_feature_select: self.common.driver_feature_select,
             driver_features: self.common.driver_features,
             driver_features_beyond: self.common.driver_features_beyond,
-            status: self.common.status,
+            status: self.status(),
             config_generation: snapshot.config_generation,
             queue_select: self.common.queue_select,
             config_msix_vector: snapshot.config_vector,

@@ -1,0 +1,215 @@
+//! The machine's devices as one platform: the legacy PC devices, the PCI bus with its host
+//! bridge and the virtio functions the user asked for, assembled into the one lifecycle
+//! list that snapshots and migration walk.
+
+use std::sync::{Arc, Mutex};
+
+use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, SplitIrqChipHandle};
+use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
+use hypervisor::{Capabilities, Vm};
+use pci::{HostBridge, IntxLine, IntxPin, PciBus};
+use virtio::block::{Block, BlockOptions, CacheMode};
+use virtio::console::{Console, ConsoleInput, ConsoleOutput};
+use virtio::rng::Rng;
+use virtio::{IoEventRegistrar, VirtioDevice, VirtioPciDevice};
+
+use crate::config::{ConsoleConfig, DiskCache, DiskConfig, SerialOutput, VmConfig};
+use crate::error::{Error, Result};
+use crate::ioevents::VmIoEvents;
+use crate::memory::GuestMemory;
+use crate::msi::{GsiAllocator, VmMsiTarget};
+use crate::state::{DeviceList, SharedDevice};
+
+/// Highest GSI handed to device MSI routes (KVM's routing table holds 4096 entries).
+const MAX_MSI_GSI: u32 = 4096;
+
+/// PCI bus 0 and its host bridge.
+#[derive(Clone)]
+pub struct PciHandles {
+    pub bus: Arc<PciBus>,
+    pub host_bridge: Arc<Mutex<HostBridge>>,
+}
+
+/// One function's INTx pin as the interrupt line a transport drives: levels go through the
+/// router, which ORs the functions sharing the GSI.
+struct IntxPinChip(Mutex<IntxLine>);
+
+impl IrqChip for IntxPinChip {
+    fn set_irq(&self, _gsi: u32, level: bool) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).set(level);
+    }
+}
+
+/// Every device model of a machine before its lifecycle list is made.
+pub struct PlatformDevices {
+    /// fw_cfg, for the files added once the PCI functions are placed (firmware boot).
+    pub fw_cfg: Arc<Mutex<devices::fw_cfg::FwCfg>>,
+    /// Where COM1's output waits for its writer (absent when it goes nowhere).
+    pub serial_output: Option<Arc<devices::output::OutputQueue>>,
+    /// Serial, i8042, fw_cfg, ACPI PM, and the PIT and RTC where the VMM models them.
+    pub legacy: Vec<SharedDevice>,
+    pub pci: PciHandles,
+    /// Split irqchip mode only.
+    pub split: Option<Arc<SplitIrqChip>>,
+}
+
+/// The PCI bus in the lifecycle list: it records where each BAR decodes, and restoring it
+/// after the functions re-derives the BAR dispatch from their restored registers.
+struct PciBusLifecycle(Arc<PciBus>);
+
+impl Lifecycle for PciBusLifecycle {
+    fn id(&self) -> String {
+        self.0.id()
+    }
+    fn save(&self) -> std::result::Result<DeviceState, LifecycleError> {
+        self.0.save()
+    }
+    fn restore(&mut self, state: &DeviceState) -> std::result::Result<(), StateError> {
+        self.0.restore_saved(state)
+    }
+    fn reset(&mut self) {
+        self.0.reset_placements();
+    }
+}
+
+impl PlatformDevices {
+    /// The lifecycle list in restore order: the legacy devices, the PCI functions (host
+    /// bridge first), the PCI bus, and the interrupt controller last, since restoring the
+    /// others may drive its lines.
+    pub fn into_list(self, functions: Vec<SharedDevice>) -> Result<DeviceList> {
+        let mut list = DeviceList::default();
+        let bridge: SharedDevice = self.pci.host_bridge;
+        let bus: SharedDevice = Arc::new(Mutex::new(PciBusLifecycle(self.pci.bus)));
+        let chip = self
+            .split
+            .map(|c| Arc::new(Mutex::new(SplitIrqChipHandle(c))) as SharedDevice);
+        let ordered = self
+            .legacy
+            .into_iter()
+            .chain(std::iter::once(bridge))
+            .chain(functions)
+            .chain(std::iter::once(bus))
+            .chain(chip);
+        for device in ordered {
+            list.add(device)?;
+        }
+        Ok(list)
+    }
+}
+
+/// What the virtio functions need from the machine.
+pub struct VirtioContext<'a> {
+    pub vm: &'a Arc<dyn Vm>,
+    pub caps: &'a Capabilities,
+    pub memory: &'a Arc<GuestMemory>,
+    pub pci: &'a PciHandles,
+}
+
+/// Creates the virtio functions `config` asks for (disks in order, then the console and
+/// the rng) and puts them on the PCI bus. Returns them for the lifecycle list.
+pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<SharedDevice>> {
+    let gsis = ctx
+        .caps
+        .irqfd
+        .then(|| Arc::new(GsiAllocator::new(MAX_MSI_GSI)));
+    let ioevents: Option<Arc<dyn IoEventRegistrar>> = ctx
+        .caps
+        .ioeventfd
+        .then(|| Arc::new(VmIoEvents { vm: ctx.vm.clone() }) as Arc<dyn IoEventRegistrar>);
+    let mut models: Vec<(&str, Box<dyn VirtioDevice<GuestMemory>>)> = Vec::new();
+    for disk in &config.disks {
+        models.push(("virtio-blk", Box::new(open_disk(disk, config.cpus)?)));
+    }
+    if config.console == ConsoleConfig::Virtio {
+        models.push(("virtio-console", Box::new(open_console(&config.serial)?)));
+    }
+    if config.rng {
+        models.push(("virtio-rng", Box::new(Rng::new())));
+    }
+    let mut functions = Vec::new();
+    for (kind, model) in models {
+        functions.push(plug(ctx, kind, model, gsis.clone(), ioevents.clone())?);
+    }
+    Ok(functions)
+}
+
+/// Wraps one device model in the virtio-pci transport and adds it to the bus.
+fn plug(
+    ctx: &VirtioContext,
+    kind: &str,
+    model: Box<dyn VirtioDevice<GuestMemory>>,
+    gsis: Option<Arc<GsiAllocator>>,
+    ioevents: Option<Arc<dyn IoEventRegistrar>>,
+) -> Result<SharedDevice> {
+    let pci_err = |e: pci::PciError| Error::Devices(format!("{kind}: {e}"));
+    let slot = ctx
+        .pci
+        .bus
+        .free_slot()
+        .ok_or(pci::PciError::NoFreeSlot)
+        .map_err(pci_err)?;
+    let line = ctx
+        .pci
+        .bus
+        .intx_line(slot, IntxPin::A)
+        .ok_or(pci::PciError::BadSlot(slot))
+        .map_err(pci_err)?;
+    let intx = IrqPin::new(
+        Arc::new(IntxPinChip(Mutex::new(line))),
+        pci::intx_gsi(slot, IntxPin::A),
+    );
+    let vectors = model.queue_max_sizes().len() as u16 + 1;
+    let msi = Arc::new(VmMsiTarget::new(ctx.vm.clone(), gsis, vectors));
+    let id = format!("pci-00:{slot:02x}.0");
+    let function = VirtioPciDevice::new(id, model, ctx.memory.clone(), msi, intx, ioevents)
+        .map_err(|e| Error::Devices(format!("{kind}: {e}")))?;
+    let function = Arc::new(Mutex::new(function));
+    ctx.pci
+        .bus
+        .add_device_at(slot, function.clone())
+        .map_err(pci_err)?;
+    Ok(function)
+}
+
+/// Opens a `--disk` image. A disk gets at most one queue per vCPU.
+fn open_disk(disk: &DiskConfig, cpus: u32) -> Result<Block> {
+    let options = BlockOptions {
+        path: disk.path.clone(),
+        readonly: disk.readonly,
+        serial: disk.serial.clone(),
+        cache: match disk.cache {
+            DiskCache::Writeback => CacheMode::Writeback,
+            DiskCache::None => CacheMode::None,
+        },
+        queues: disk
+            .queues
+            .min(u16::try_from(cpus).unwrap_or(u16::MAX))
+            .max(1),
+    };
+    Block::new(options).map_err(|e| Error::Option {
+        option: "--disk",
+        value: disk.path.display().to_string(),
+        reason: e.what,
+    })
+}
+
+/// `--console virtio`: hvc0 writes where the serial port would.
+fn open_console(serial: &SerialOutput) -> Result<Console> {
+    let output = match serial {
+        SerialOutput::Stdio => ConsoleOutput::Stdout,
+        SerialOutput::File(path) => ConsoleOutput::File(path.clone()),
+        SerialOutput::None => {
+            return Err(Error::Option {
+                option: "--console",
+                value: "virtio".into(),
+                reason: "the virtio console writes where --serial does, and --serial is none"
+                    .into(),
+            })
+        }
+    };
+    Console::new(output, ConsoleInput::None).map_err(|e| Error::Option {
+        option: "--console",
+        value: "virtio".into(),
+        reason: e.to_string(),
+    })
+}
