@@ -10,7 +10,7 @@
 # 32-bit half is C built with -m32.
 
 BOOT_O := $(O)/boot
-BOOTSECT_LONG_PASSES ?= 400
+BOOTSECT_LONG_PASSES ?= 100
 
 BOOT_CFLAGS := -m32 -march=i386 -std=gnu11 -Os -Wall -Wextra -Werror \
 	-ffreestanding -nostdlib -fno-pic -fno-pie -mgeneral-regs-only \

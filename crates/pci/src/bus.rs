@@ -236,6 +236,9 @@ pub struct PciBus {
     /// Functions 1-7 of multi-function slots, by (slot, function): configuration space
     /// only (no BARs, no INTx), as a chipset's PM function at 00:01.3.
     functions: RwLock<std::collections::BTreeMap<(u8, u8), SharedDevice>>,
+    /// Called when the guest resets the machine through the reset control register (port
+    /// 0xcf9).
+    reset: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
     allocators: Mutex<Allocators>,
     table: Arc<RwLock<BarTable>>,
     derived: Mutex<Derived>,
@@ -283,6 +286,7 @@ impl PciBus {
             layout,
             slots: RwLock::new((0..NUM_SLOTS).map(|_| None).collect()),
             functions: RwLock::default(),
+            reset: std::sync::OnceLock::new(),
             allocators: Mutex::new(allocators),
             table: Arc::new(RwLock::new(BarTable::default())),
             derived: Mutex::new(Derived::default()),
@@ -483,6 +487,20 @@ impl PciBus {
         }
         functions.insert((slot, function), device);
         Ok(())
+    }
+
+    /// Makes the reset control register (port 0xcf9) call `reset` when the guest asks for a
+    /// CPU reset through it. Only the first handler set is kept.
+    pub fn set_reset_handler(&self, reset: Arc<dyn Fn() + Send + Sync>) {
+        let _ = self.reset.set(reset);
+    }
+
+    /// The guest asked for a reset through port 0xcf9.
+    pub(crate) fn request_reset(&self) {
+        match self.reset.get() {
+            Some(reset) => reset(),
+            None => log::warn!("reset through port 0xcf9 ignored: no reset handler"),
+        }
     }
 
     fn other_function(&self, slot: u8, function: u8) -> Option<SharedDevice> {

@@ -271,6 +271,29 @@ pub fn map_memory(
     ))
 }
 
+/// Guest RAM's regions as snapshots and migration lay RAM out (one per region of
+/// `guest_memory`, whatever slots hold it), each named by the first of `slots` inside it.
+pub fn ram_regions(
+    guest_memory: &GuestMemory,
+    slots: &[MemoryRegion],
+) -> Result<Vec<MemoryRegion>> {
+    guest_memory
+        .iter()
+        .map(|region| {
+            let start = region.start_addr().0;
+            let first = slots
+                .iter()
+                .find(|s| s.guest_addr == start)
+                .ok_or_else(|| Error::Memory(format!("no memory slot starts at {start:#x}")))?;
+            Ok(MemoryRegion {
+                size: region.len(),
+                readonly: false,
+                ..*first
+            })
+        })
+        .collect()
+}
+
 /// An anonymous mapping holding the ROM image.
 fn map_rom(rom: &Rom) -> Result<memory::GuestRegion> {
     let mapping = memory::map_region(vm_memory::GuestAddress(rom.base()), rom.bytes.len())?;
