@@ -7,6 +7,8 @@ need_apt=()
 command -v gcc >/dev/null || need_apt+=(gcc)
 command -v ld >/dev/null || need_apt+=(binutils)
 command -v make >/dev/null || need_apt+=(make)
+# Debian's SeaBIOS: the default firmware of `ferrovm run --disk` and tests/firmware.rs.
+[ -f /usr/share/seabios/bios-256k.bin ] || need_apt+=(seabios)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "installing Debian packages: ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive
