@@ -116,7 +116,12 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
         .then(|| Arc::new(VmIoEvents { vm: ctx.vm.clone() }) as Arc<dyn IoEventRegistrar>);
     let mut models: Vec<(&str, Box<dyn VirtioDevice<GuestMemory>>)> = Vec::new();
     for disk in &config.disks {
-        models.push(("virtio-blk", Box::new(open_disk(disk, config.cpus)?)));
+        // A migration destination takes the locks from its source at the hand-over.
+        let incoming = matches!(config.start, crate::config::StartFrom::Incoming(_));
+        models.push((
+            "virtio-blk",
+            Box::new(open_disk(disk, config.cpus, incoming)?),
+        ));
     }
     if config.console == ConsoleConfig::Virtio {
         models.push(("virtio-console", Box::new(open_console(&config.serial)?)));
@@ -169,8 +174,9 @@ fn plug(
     Ok(function)
 }
 
-/// Opens a `--disk` image. A disk gets at most one queue per vCPU.
-fn open_disk(disk: &DiskConfig, cpus: u32) -> Result<Block> {
+/// Opens a `--disk` image, locked unless `defer_lock`. A disk gets at most one queue per
+/// vCPU.
+fn open_disk(disk: &DiskConfig, cpus: u32, defer_lock: bool) -> Result<Block> {
     let options = BlockOptions {
         path: disk.path.clone(),
         readonly: disk.readonly,
@@ -183,6 +189,7 @@ fn open_disk(disk: &DiskConfig, cpus: u32) -> Result<Block> {
             .queues
             .min(u16::try_from(cpus).unwrap_or(u16::MAX))
             .max(1),
+        defer_lock,
     };
     Block::new(options).map_err(|e| Error::Option {
         option: "--disk",

@@ -269,6 +269,16 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
         self.workers.iter().try_for_each(Worker::resume)
     }
 
+    fn hand_over(&mut self) -> Result<(), LifecycleError> {
+        self.image.unlock().map_err(|e| {
+            LifecycleError(format!("disk {}: unlock: {e}", self.image.path().display()))
+        })
+    }
+
+    fn take_over(&mut self) -> Result<(), LifecycleError> {
+        self.image.lock().map_err(|e| LifecycleError(e.to_string()))
+    }
+
     fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
         Some(self.workers.iter().flat_map(Worker::queue_states).collect())
     }

@@ -396,6 +396,31 @@ fn readonly_disks_refuse_changes() {
 }
 
 #[test]
+fn the_lock_is_handed_over_and_taken_back() {
+    let dir = TempDir::new("blk-handover");
+    let path = dir.join("disk.img");
+    make_image(&path, 1 << 20);
+    let mut source = Block::new(BlockOptions::new(&path)).unwrap();
+    // A migration destination opens the image without its lock...
+    let deferred = BlockOptions {
+        defer_lock: true,
+        ..BlockOptions::new(&path)
+    };
+    let mut destination = Block::new(deferred).unwrap();
+    let dest = |d: &mut Block| VirtioDevice::<GuestMemoryMmap>::take_over(d);
+    // ...and cannot take it while the source holds it.
+    assert!(dest(&mut destination).unwrap_err().0.contains("locked"));
+    VirtioDevice::<GuestMemoryMmap>::hand_over(&mut source).unwrap();
+    dest(&mut destination).unwrap();
+    // Now the source cannot take it back, nor can a third VMM open the image.
+    let back = VirtioDevice::<GuestMemoryMmap>::take_over(&mut source).unwrap_err();
+    assert!(back.0.contains("locked by another process"), "{}", back.0);
+    assert!(Block::new(BlockOptions::new(&path)).is_err());
+    drop(destination);
+    VirtioDevice::<GuestMemoryMmap>::take_over(&mut source).unwrap();
+}
+
+#[test]
 fn images_are_locked() {
     let dir = TempDir::new("blk-lock");
     let path = dir.join("disk.img");

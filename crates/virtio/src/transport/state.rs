@@ -196,6 +196,14 @@ impl<M: GuestMemory + Send + Sync + 'static> Lifecycle for VirtioPciDevice<M> {
         self.device.pause()
     }
 
+    fn hand_over(&mut self) -> Result<(), LifecycleError> {
+        self.device.hand_over()
+    }
+
+    fn take_over(&mut self) -> Result<(), LifecycleError> {
+        self.device.take_over()
+    }
+
     /// Resumes the device. One restored as active is activated again (then resumed, in
     /// case it was paused before the restore) and every queue is kicked, so requests the
     /// guest queued before the snapshot are seen.
