@@ -106,13 +106,9 @@ pub struct VirtioContext<'a> {
 /// Creates the virtio functions `config` asks for (disks in order, then the console and
 /// the rng) and puts them on the PCI bus. Returns them for the lifecycle list.
 pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<SharedDevice>> {
-    let gsis = ctx
-        .caps
-        .irqfd
-        .then(|| Arc::new(GsiAllocator::new(MAX_MSI_GSI)));
-    let ioevents: Option<Arc<dyn IoEventRegistrar>> = ctx
-        .caps
-        .ioeventfd
+    let kernel_paths = kernel_eventfds_wanted();
+    let gsis = (kernel_paths && ctx.caps.irqfd).then(|| Arc::new(GsiAllocator::new(MAX_MSI_GSI)));
+    let ioevents: Option<Arc<dyn IoEventRegistrar>> = (kernel_paths && ctx.caps.ioeventfd)
         .then(|| Arc::new(VmIoEvents { vm: ctx.vm.clone() }) as Arc<dyn IoEventRegistrar>);
     let mut models: Vec<(&str, Box<dyn VirtioDevice<GuestMemory>>)> = Vec::new();
     for disk in &config.disks {
@@ -134,6 +130,13 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
         functions.push(plug(ctx, kind, model, gsis.clone(), ioevents.clone())?);
     }
     Ok(functions)
+}
+
+/// `FERROVM_KERNEL_EVENTFDS=off` makes the devices take the paths of a kernel without
+/// irqfd and ioeventfd (bhyve's): notifications as MMIO exits, MSIs injected from user space.
+/// For tests and diagnosis; the kernel paths are used wherever they exist otherwise.
+fn kernel_eventfds_wanted() -> bool {
+    std::env::var("FERROVM_KERNEL_EVENTFDS").map_or(true, |v| v != "off")
 }
 
 /// Wraps one device model in the virtio-pci transport and adds it to the bus.
