@@ -164,7 +164,9 @@ fn bad_options_are_refused_with_one_line() {
     bad_run(&["run", "--kernel", k, "--cpus", "100000"]).expect_error("--cpus");
     bad_run(&["run", "--kernel", k, "--bogus"]).expect_error("--bogus");
     bad_run(&["run", "--kernel", k, "--serial", "tcp:1"]).expect_error("--serial");
-    bad_run(&["run", "--kernel", k, "--disk", "/dev/null"]).expect_error("not supported yet");
+    bad_run(&["run", "--kernel", k, "--disk", "/dev/null"])
+        .expect_error("not a regular file or a block device");
+    bad_run(&["run", "--kernel", k, "--net", "tap=tap0"]).expect_error("not supported yet");
     bad_run(&["run", "--kernel", k, "--accel", "bhyve"]).expect_error("/dev/vmm");
     bad_run(&["frobnicate"]).expect_error("frobnicate");
 }
