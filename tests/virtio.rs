@@ -885,8 +885,9 @@ fn bad_disks_are_refused_with_one_line() {
 
 /// A snapshot taken with requests in flight restores with the same disk, and the guest
 /// carries on where it was: its next rounds verify, nothing fails, and the image checks out.
-/// The snapshot holds the devices' state, not their configuration: the restoring VMM is
-/// given the same --disk, and refuses a different device set or queue count.
+/// The snapshot holds the devices' state, not their configuration nor the image: the
+/// restoring VMM is given the same --disk, and refuses a missing disk, another capacity,
+/// another queue count or another read-only setting.
 #[test]
 fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
     let dir = scratch("snapshot");
@@ -896,6 +897,8 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
     let snap = dir.join("vm.snap");
     let before = last_round(&source.output());
     source.ctl(&["snapshot", s(&snap)]).expect_status(0);
+    // The image is not in the snapshot: the source resumes after it and must not get far
+    // (a whole round would overwrite sectors the restored guest still has to read back).
     source.kill();
     let source_last = last_round(&source.output());
     assert!(!source.output().contains("FAIL"), "{}", source.output());
@@ -914,6 +917,8 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
     restore(&["--disk", &disk(&bigger, ",queues=2")]).expect_error("not the same image");
     restore(&["--disk", &disk(&image, ",queues=1")])
         .expect_error("2 queues saved, this device has 1");
+    restore(&["--disk", &disk(&image, ",queues=2,readonly")])
+        .expect_error("the saved disk was writable, this one is read-only");
 
     let disk_arg = disk(&image, ",queues=2");
     let mut restored = Vm::start(
