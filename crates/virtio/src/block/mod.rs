@@ -305,6 +305,21 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
             ));
         }
         let offered = VirtioDevice::<M>::features(self);
+        let readonly_bit = 1u64 << VIRTIO_BLK_F_RO;
+        if (saved.features ^ offered) & readonly_bit != 0 {
+            // The driver was told whether it may write: a disk that changed its mind under
+            // it fails every write (or hides that writes are allowed).
+            let mode = |features: u64| match features & readonly_bit {
+                0 => "writable",
+                _ => "read-only",
+            };
+            return refuse(format!(
+                "{}: the saved disk was {}, this one is {}: not the same disk configuration",
+                self.image.path().display(),
+                mode(saved.features),
+                mode(offered)
+            ));
+        }
         if saved.acked_features & !offered != 0 {
             return refuse(format!(
                 "the driver negotiated features {:#x} this disk does not offer ({offered:#x}; readonly differs?)",

@@ -808,8 +808,26 @@ fn restore_checks_the_image() {
         readonly: true,
         ..BlockOptions::new(&same)
     };
-    let mut dev = Block::new(ro).unwrap();
-    assert!(VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &saved).is_err());
+    let mut dev = Block::new(ro.clone()).unwrap();
+    let err = VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &saved).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the saved disk was writable, this one is read-only"),
+        "{err}"
+    );
+    // Even when the driver acked none of the features a read-only disk withdraws.
+    let mut state: BlockState = saved.parse("virtio-blk", STATE_VERSION).unwrap();
+    state.acked_features &= VirtioDevice::<GuestMemoryMmap>::features(&dev);
+    let narrow = DeviceState::new(STATE_VERSION, &state).unwrap();
+    assert!(VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &narrow).is_err());
+    drop(dev);
+    // And the other way round.
+    let dev = Block::new(ro).unwrap();
+    let saved_ro = VirtioDevice::<GuestMemoryMmap>::save(&dev).unwrap();
+    drop(dev);
+    let mut dev = Block::new(BlockOptions::new(&same)).unwrap();
+    let err = VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &saved_ro).unwrap_err();
+    assert!(err.to_string().contains("was read-only"), "{err}");
 }
 
 fn thread_names() -> Vec<String> {
