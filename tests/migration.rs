@@ -437,7 +437,9 @@ fn idle_source_at_tick_2(dir: &Path) -> Vm {
             "--kernel",
             kernel.to_str().unwrap(),
             "--cmdline",
-            "mib=32 ticks=5",
+            // Enough ticks that the guest outlives a snapshot, a restore and a migration of
+            // it on a loaded host (each tick is a second).
+            "mib=32 ticks=10",
             "--memory",
             "256M",
         ],

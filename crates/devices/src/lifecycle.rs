@@ -65,6 +65,16 @@ pub trait Lifecycle: Send {
     fn resume(&mut self) -> Result<(), LifecycleError> {
         Ok(())
     }
+    /// Migration hand-over, source side: the destination holds the final state, so let go
+    /// of the host resources it must take over (a disk image's lock). The machine is paused.
+    fn hand_over(&mut self) -> Result<(), LifecycleError> {
+        Ok(())
+    }
+    /// Takes those resources: a migration destination before its guest runs, or a source
+    /// whose migration failed after `hand_over`.
+    fn take_over(&mut self) -> Result<(), LifecycleError> {
+        Ok(())
+    }
     /// The device's guest-visible state.
     fn save(&self) -> Result<DeviceState, LifecycleError>;
     /// Loads a state `save` produced, refusing anything the device could never have had and

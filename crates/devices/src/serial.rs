@@ -81,7 +81,9 @@ impl Trigger for IrqTrigger {
 pub enum SerialOutput {
     /// The VMM's standard output.
     Stdout,
-    /// A file, created or truncated when the device is built.
+    /// A file, created or truncated when the device is built, then appended to: other
+    /// writers of the same file (the virtio console) interleave with it instead of
+    /// overwriting each other from separate offsets.
     File(PathBuf),
     /// Discarded (`--serial none`).
     Sink,
@@ -357,10 +359,18 @@ impl SerialDevice {
 }
 
 fn open_output(path: &Path) -> Result<File, SerialError> {
-    File::create(path).map_err(|source| SerialError::OpenOutput {
+    let error = |source| SerialError::OpenOutput {
         path: path.to_path_buf(),
         source,
-    })
+    };
+    // O_APPEND and O_TRUNC do not go together in std's OpenOptions: truncate once opened.
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(error)?;
+    file.set_len(0).map_err(error)?;
+    Ok(file)
 }
 
 impl BusDevice for SerialDevice {
@@ -469,6 +479,40 @@ mod tests {
         drop(dev);
         drop(bus);
         assert_eq!(std::fs::read(&path).unwrap(), b"Hello, ferrovm\n");
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// The virtio console appends to the serial's file through its own handle: both
+    /// outputs survive, each in its own order (the serial's bytes reach the file through
+    /// its writer thread, so the two interleave in any order).
+    #[test]
+    fn file_sink_shares_its_file_with_another_appender() {
+        let path = tmp_path("shared.txt");
+        std::fs::write(&path, b"old contents that must go").unwrap();
+        let mut dev =
+            SerialDevice::new(&SerialOutput::File(path.clone()), Arc::new(NoIrq)).unwrap();
+        let mut other = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        for chunk in [&b"serial 1\n"[..], b"serial 2\n"] {
+            for &b in chunk {
+                dev.write(0, &[b]);
+            }
+            other.write_all(b"console\n").unwrap();
+        }
+        let queue = dev.output_queue().expect("a file sink has an output queue");
+        assert!(queue.drain(std::time::Duration::from_secs(10)));
+        drop(dev);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let serial: Vec<&str> = text.lines().filter(|l| l.starts_with("serial")).collect();
+        assert_eq!(serial, ["serial 1", "serial 2"], "{text:?}");
+        assert_eq!(
+            text.lines().filter(|l| *l == "console").count(),
+            2,
+            "{text:?}"
+        );
+        assert_eq!(text.len(), 34, "{text:?}");
         std::fs::remove_file(&path).unwrap();
     }
 

@@ -292,6 +292,7 @@ fn frame_name(f: &Frame) -> &'static str {
         Frame::Error(_) => "Error",
         Frame::Ready => "Ready",
         Frame::Ack => "Ack",
+        Frame::Handover => "Handover",
         Frame::RoundAck(_) => "RoundAck",
         Frame::Images(_) => "Images",
         Frame::DataPages { .. } => "DataPages",

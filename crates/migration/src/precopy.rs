@@ -32,7 +32,9 @@ use crate::error::{Error, Result};
 use crate::pages::{send_pages, Sent};
 use crate::ram::{GuestRam, Layout, PAGE_SIZE};
 use crate::resident::{prefetch_swapped, touched_in, ResidencyMethod};
-use crate::stream::{wait_reply, EndInfo, Frame, RoundEndInfo, StreamWriter, MAX_STATE_TOTAL};
+use crate::stream::{
+    read_reply, wait_reply, EndInfo, Frame, RoundEndInfo, StreamWriter, MAX_STATE_TOTAL,
+};
 
 /// Where the dirty pages come from: the hypervisor's dirty log, plus any page the VMM's own
 /// device emulation wrote (KVM's log only sees guest writes).
@@ -60,6 +62,16 @@ pub trait VmControl {
     fn save_state(&mut self) -> Result<Vec<u8>>;
     /// Slows the vCPUs down to `100 - percent` % of their time (0 = full speed).
     fn throttle(&mut self, percent: u8);
+    /// The destination applied the final state and takes over now: let go of what it must
+    /// take (disk image locks). Called paused, after the destination's `Handover` reply.
+    fn hand_over(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// The destination refused after `hand_over`: take it all back before resuming. An
+    /// error leaves the guest paused (another machine may hold the disks now).
+    fn take_back(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Tunables of a live migration.
@@ -251,6 +263,8 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     paused: bool,
     /// The final state and `End` are on their way: the destination may run the guest.
     final_sent: bool,
+    /// The source let go of its disk locks for the destination (`VmControl::hand_over`).
+    handed_over: bool,
     tracking: bool,
     throttle: u8,
     max_throttle: u8,
@@ -312,6 +326,7 @@ where
         send_bytes: 0,
         paused: false,
         final_sent: false,
+        handed_over: false,
         tracking: false,
         throttle: 0,
         max_throttle: 0,
@@ -351,6 +366,14 @@ where
             }
             if eng.throttle > 0 {
                 vm.throttle(0);
+            }
+            if eng.handed_over {
+                if let Err(t) = vm.take_back() {
+                    return Err(Error::Vmm(format!(
+                        "{e}; the source cannot take its disks back ({t}), so its guest stays \
+                         paused"
+                    )));
+                }
             }
             if eng.paused {
                 if let Err(r) = vm.resume() {
@@ -586,7 +609,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let stop_and_copy = t_pause.elapsed();
         self.meter.phase = Phase::WaitingAck;
         self.meter.emit(self.w.bytes_written(), 0, true);
-        wait_reply(&mut self.ack, &Frame::Ack)?;
+        self.hand_over(vm)?;
         let downtime = t_pause.elapsed();
 
         let total_pages = self.layout.total_pages();
@@ -609,6 +632,28 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             max_throttle_percent: self.max_throttle,
             rounds: std::mem::take(&mut self.rounds),
         })
+    }
+
+    /// After `End`: the destination applies the state and replies `Handover`; the source
+    /// lets go of its disk locks, and the destination takes them, runs the guest and
+    /// replies `Ack`. A destination of an earlier build replies `Ack` at once.
+    fn hand_over<V: VmControl + ?Sized>(&mut self, vm: &mut V) -> Result<()> {
+        match read_reply(&mut self.ack, "its acknowledgement")? {
+            Frame::Handover => {}
+            Frame::Ack => return Ok(()),
+            other => {
+                return Err(Error::Protocol {
+                    offset: 0,
+                    reason: format!("the destination replied {other:?} instead of Handover"),
+                })
+            }
+        }
+        self.handed_over = true;
+        // A lock that cannot be released makes the destination refuse; that answer decides.
+        if let Err(e) = vm.hand_over() {
+            log::error!("handing the disks over: {e}");
+        }
+        wait_reply(&mut self.ack, &Frame::Ack)
     }
 }
 

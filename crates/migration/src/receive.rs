@@ -66,6 +66,12 @@ impl<W: Write> AckSender<W> {
         send_reply(&mut self.w, &Frame::Ack)
     }
 
+    /// The final state is applied: the source may let go of its disk locks, which this
+    /// destination takes before it runs the guest (then `ack`).
+    pub fn handover(&mut self) -> Result<()> {
+        send_reply(&mut self.w, &Frame::Handover)
+    }
+
     /// Restoring failed: the source resumes its guest and shows `message`.
     pub fn fail(&mut self, message: &str) -> Result<()> {
         send_reply(&mut self.w, &Frame::Error(message.to_string()))
@@ -307,7 +313,7 @@ where
                 })
             }
             Frame::Config(_) => return Err(protocol("a second Config frame".into())),
-            Frame::Ready | Frame::Ack | Frame::RoundAck(_) => {
+            Frame::Ready | Frame::Ack | Frame::RoundAck(_) | Frame::Handover => {
                 return Err(protocol("a reply frame inside the stream".into()))
             }
             Frame::Images(_) | Frame::DataPages { .. } => {

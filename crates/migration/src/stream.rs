@@ -83,6 +83,9 @@ pub enum Kind {
     Images = 11,
     /// Version 2 snapshot files: a run of pages of an image that hold data, with their CRCs.
     DataPages = 12,
+    /// Reply: the destination has applied the final state and asks the source to let go of
+    /// what it must take over (disk image locks) before it runs the guest.
+    Handover = 13,
 }
 
 impl Kind {
@@ -100,6 +103,7 @@ impl Kind {
             10 => Kind::RoundAck,
             11 => Kind::Images,
             12 => Kind::DataPages,
+            13 => Kind::Handover,
             _ => return None,
         })
     }
@@ -118,6 +122,7 @@ impl Kind {
             Kind::RoundAck => "RoundAck",
             Kind::Images => "Images",
             Kind::DataPages => "DataPages",
+            Kind::Handover => "Handover",
         }
     }
 
@@ -130,7 +135,7 @@ impl Kind {
             Kind::RoundEnd => ROUND_END_LEN,
             Kind::End => END_LEN,
             Kind::Error => MAX_ERROR_LEN,
-            Kind::Ready | Kind::Ack => 0,
+            Kind::Ready | Kind::Ack | Kind::Handover => 0,
             Kind::RoundAck => 4,
         }
     }
@@ -141,18 +146,24 @@ impl Kind {
             Kind::ZeroPages => Some(PAGES_FIXED_LEN as u32),
             Kind::RoundEnd => Some(ROUND_END_LEN),
             Kind::End => Some(END_LEN),
-            Kind::Ready | Kind::Ack => Some(0),
+            Kind::Ready | Kind::Ack | Kind::Handover => Some(0),
             Kind::RoundAck => Some(4),
             _ => None,
         }
     }
 
     fn is_reply(self) -> bool {
-        matches!(self, Kind::Ready | Kind::Ack | Kind::RoundAck | Kind::Error)
+        matches!(
+            self,
+            Kind::Ready | Kind::Ack | Kind::RoundAck | Kind::Handover | Kind::Error
+        )
     }
 
     fn is_stream(self) -> bool {
-        !matches!(self, Kind::Ready | Kind::Ack | Kind::RoundAck)
+        !matches!(
+            self,
+            Kind::Ready | Kind::Ack | Kind::RoundAck | Kind::Handover
+        )
     }
 
     /// Kinds that only version 2 (snapshot files) has.
@@ -244,6 +255,9 @@ pub enum Frame {
     Ready,
     /// Reply channel: the destination runs the guest.
     Ack,
+    /// Reply channel: the destination applied the final state; the source lets go of its
+    /// disk image locks so that the destination can take them before it runs the guest.
+    Handover,
     /// Reply channel: the destination has applied live round `n` (the source waits for it
     /// before the next round, so rounds are measured end to end and nothing is still in
     /// flight when the guest is paused).
@@ -384,6 +398,7 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>> {
         }
         Frame::Ready => encode_simple(Kind::Ready, &[], &mut out),
         Frame::Ack => encode_simple(Kind::Ack, &[], &mut out),
+        Frame::Handover => encode_simple(Kind::Handover, &[], &mut out),
         Frame::RoundAck(n) => encode_simple(Kind::RoundAck, &n.to_le_bytes(), &mut out),
         Frame::Images(images) => {
             if images.is_empty() || images.len() > MAX_IMAGE_REGIONS as usize {
@@ -571,21 +586,30 @@ pub fn wait_ack<R: Read>(reader: &mut R) -> Result<()> {
 pub(crate) fn wait_reply<R: Read>(reader: &mut R, want: &Frame) -> Result<()> {
     let what = match want {
         Frame::Ack => "its acknowledgement".to_string(),
+        Frame::Handover => "applying the final state".to_string(),
         Frame::Ready => "accepting the configuration".to_string(),
         Frame::RoundAck(n) => format!("acknowledging round {n}"),
         other => format!("{other:?}"),
     };
+    match read_reply(reader, &what)? {
+        f if f == *want => Ok(()),
+        f => Err(Error::Protocol {
+            offset: 0,
+            reason: format!("the destination replied {f:?} instead of {what}"),
+        }),
+    }
+}
+
+/// Reads the destination's next reply, waited for as `what`; an `Error` reply is the
+/// destination's refusal ([`Error::Peer`]).
+pub(crate) fn read_reply<R: Read>(reader: &mut R, what: &str) -> Result<Frame> {
     let mut r = StreamReader::replies(reader);
     match r.next_frame() {
-        Ok(f) if f == *want => Ok(()),
         Ok(Frame::Error(message)) => Err(Error::Peer {
             peer: "destination",
             message,
         }),
-        Ok(f) => Err(Error::Protocol {
-            offset: 0,
-            reason: format!("the destination replied {f:?} instead of {what}"),
-        }),
+        Ok(f) => Ok(f),
         Err(Error::EndedEarly { .. }) => Err(Error::Vmm(format!(
             "the destination closed the connection before {what}"
         ))),
@@ -902,6 +926,7 @@ impl<R: Read> StreamReader<R> {
             Kind::Error => Frame::Error(String::from_utf8_lossy(&payload).into_owned()),
             Kind::Ready => Frame::Ready,
             Kind::Ack => Frame::Ack,
+            Kind::Handover => Frame::Handover,
             Kind::RoundAck => Frame::RoundAck(u32_at(0)),
             Kind::Images => {
                 if payload.len() < IMAGES_FIXED_LEN as usize {

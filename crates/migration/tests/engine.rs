@@ -28,6 +28,8 @@ struct Shared {
     resumes: u32,
     stops: u32,
     throttles: Vec<u8>,
+    /// Calls of `hand_over` and `take_back`, in order ('h', 't').
+    handovers: String,
     takes: u32,
     fail_take_at: Option<u32>,
 }
@@ -98,6 +100,20 @@ impl VmControl for FakeVm {
     fn throttle(&mut self, percent: u8) {
         self.0.borrow_mut().throttles.push(percent);
     }
+
+    fn hand_over(&mut self) -> Result<()> {
+        assert!(
+            self.0.borrow().paused,
+            "disks handed over from a running guest"
+        );
+        self.0.borrow_mut().handovers.push('h');
+        Ok(())
+    }
+
+    fn take_back(&mut self) -> Result<()> {
+        self.0.borrow_mut().handovers.push('t');
+        Ok(())
+    }
 }
 
 fn source(writes: impl Fn(u8) -> u64 + 'static) -> (S, FakeDirty, FakeVm) {
@@ -119,6 +135,7 @@ fn source(writes: impl Fn(u8) -> u64 + 'static) -> (S, FakeDirty, FakeVm) {
         resumes: 0,
         stops: 0,
         throttles: vec![],
+        handovers: String::new(),
         takes: 0,
         fail_take_at: None,
     }));
@@ -515,6 +532,68 @@ fn a_refusal_after_end_resumes_the_source() {
 }
 
 #[test]
+fn the_source_hands_its_disks_over_when_the_destination_asks() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let o = run(
+        &s,
+        &mut d,
+        &mut v,
+        &MigrationParams::default(),
+        Replies::Script(vec![
+            Frame::Ready,
+            Frame::RoundAck(0),
+            Frame::Handover,
+            Frame::Ack,
+        ]),
+    );
+    o.report.unwrap();
+    let sh = s.borrow();
+    assert_eq!(sh.handovers, "h");
+    assert_eq!((sh.pauses, sh.resumes), (1, 0));
+}
+
+#[test]
+fn a_refusal_after_the_hand_over_takes_the_disks_back_then_resumes() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let o = run(
+        &s,
+        &mut d,
+        &mut v,
+        &MigrationParams::default(),
+        Replies::Script(vec![
+            Frame::Ready,
+            Frame::RoundAck(0),
+            Frame::Handover,
+            Frame::Error("disk a.img: locked by another process".into()),
+        ]),
+    );
+    let e = o.report.unwrap_err();
+    assert!(!e.outcome_unknown(), "{e}");
+    let sh = s.borrow();
+    assert_eq!(sh.handovers, "ht");
+    assert_eq!((sh.pauses, sh.resumes), (1, 1));
+    assert!(!sh.paused);
+}
+
+#[test]
+fn a_lost_ack_after_the_hand_over_keeps_the_disks_released_and_the_guest_paused() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let o = run(
+        &s,
+        &mut d,
+        &mut v,
+        &MigrationParams::default(),
+        Replies::Script(vec![Frame::Ready, Frame::RoundAck(0), Frame::Handover]),
+    );
+    let e = o.report.unwrap_err();
+    assert!(e.outcome_unknown(), "{e}");
+    let sh = s.borrow();
+    // The destination may run the guest with the disks: the source must not take them back.
+    assert_eq!(sh.handovers, "h");
+    assert!(sh.paused);
+}
+
+#[test]
 fn a_refusing_destination_stops_the_migration_early() {
     let (s, mut d, mut v) = source(|_| 10);
     let o = run(
@@ -615,6 +694,7 @@ fn bandwidth_limit_is_respected() {
         resumes: 0,
         stops: 0,
         throttles: vec![],
+        handovers: String::new(),
         takes: 0,
         fail_take_at: None,
     }));

@@ -92,6 +92,16 @@ pub trait VirtioDevice<M: GuestMemory + Send + Sync + 'static>: Send {
     fn queue_states(&self) -> Option<Vec<(u16, virtio_queue::QueueState)>> {
         None
     }
+    /// Migration hand-over, source side: the destination holds the final state, so let go
+    /// of what it must take over (a disk image's lock). Called with the device paused.
+    fn hand_over(&mut self) -> Result<(), LifecycleError> {
+        Ok(())
+    }
+    /// Takes those resources: a migration destination before its guest runs, or a source
+    /// whose migration failed after `hand_over`.
+    fn take_over(&mut self) -> Result<(), LifecycleError> {
+        Ok(())
+    }
     /// The device's own state (not the queues, which the transport saves).
     fn save(&self) -> Result<DeviceState, LifecycleError>;
     fn restore(&mut self, state: &DeviceState) -> Result<(), StateError>;

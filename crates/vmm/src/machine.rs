@@ -34,7 +34,7 @@ use crate::restore::RestoreOptions;
 use crate::runstate::{RunState, Supervisor};
 use crate::snapshot::{self, Core};
 use crate::socket::SocketGuard;
-use crate::state::SharedDevice;
+use crate::state::{DeviceList, SharedDevice};
 use crate::timers::{TimerDevices, TimerThread, TimerWake};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 
@@ -398,7 +398,7 @@ impl Machine {
                 (incoming.state, Some(incoming.ack))
             }
         };
-        let (state, ack) = state;
+        let (state, mut ack) = state;
         // A snapshot always runs; a migrated guest stays paused if it was paused, which
         // only an API can end. Devices are restored paused and resumed as the guest starts:
         // a device with work of its own (a virtio queue) takes it up only then.
@@ -415,6 +415,10 @@ impl Machine {
                 .pause()
                 .and_then(|_| state.restore_platform(self.core.vm.as_ref(), &self.core.devices))
                 .and_then(|_| snapshot::restore_vcpus(&self.vcpus, &state.vcpus))
+                .and_then(|_| match ack.as_mut() {
+                    Some(ack) => take_over_from_source(ack, &self.core.devices),
+                    None => Ok(()),
+                })
                 .and_then(|_| self.core.devices.resume())
         };
         match restored {
@@ -607,6 +611,30 @@ fn listen_for_migration(addr: &str) -> Result<TcpListener> {
     let local = listener.local_addr().map_err(error)?;
     eprintln!("listening on {local}");
     Ok(listener)
+}
+
+/// How long a migration destination waits for its source to let go of the disks.
+const HANDOVER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A migration destination with the state applied: asks the source to let go of its disk
+/// image locks and takes them, before the guest runs here. The source lets go as soon as it
+/// reads the request, so a lock still held is retried until [`HANDOVER_TIMEOUT`].
+fn take_over_from_source(ack: &mut AckSender, devices: &DeviceList) -> Result<()> {
+    ack.handover().map_err(|e| {
+        Error::Migration(format!("cannot ask the source to hand its disks over: {e}"))
+    })?;
+    let deadline = std::time::Instant::now() + HANDOVER_TIMEOUT;
+    loop {
+        match devices.take_over() {
+            Ok(()) => return Ok(()),
+            Err(e) if std::time::Instant::now() >= deadline => {
+                return Err(Error::Migration(format!(
+                    "the source did not hand its disks over: {e}"
+                )))
+            }
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    }
 }
 
 /// Writes the firmware tables and loads the kernel: the BSP's entry state.

@@ -108,17 +108,18 @@ pub struct VirtioContext<'a> {
 /// Creates the virtio functions `config` asks for (disks in order, then the console and
 /// the rng) and puts them on the PCI bus. Returns them for the lifecycle list.
 pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<SharedDevice>> {
-    let gsis = ctx
-        .caps
-        .irqfd
-        .then(|| Arc::new(GsiAllocator::new(MAX_MSI_GSI)));
-    let ioevents: Option<Arc<dyn IoEventRegistrar>> = ctx
-        .caps
-        .ioeventfd
+    let kernel_paths = kernel_eventfds_wanted();
+    let gsis = (kernel_paths && ctx.caps.irqfd).then(|| Arc::new(GsiAllocator::new(MAX_MSI_GSI)));
+    let ioevents: Option<Arc<dyn IoEventRegistrar>> = (kernel_paths && ctx.caps.ioeventfd)
         .then(|| Arc::new(VmIoEvents { vm: ctx.vm.clone() }) as Arc<dyn IoEventRegistrar>);
     let mut models: Vec<(&str, Box<dyn VirtioDevice<GuestMemory>>)> = Vec::new();
     for disk in &config.disks {
-        models.push(("virtio-blk", Box::new(open_disk(disk, config.cpus)?)));
+        // A migration destination takes the locks from its source at the hand-over.
+        let incoming = matches!(config.start, crate::config::StartFrom::Incoming(_));
+        models.push((
+            "virtio-blk",
+            Box::new(open_disk(disk, config.cpus, incoming)?),
+        ));
     }
     if config.console == ConsoleConfig::Virtio {
         models.push(("virtio-console", Box::new(open_console(&config.serial)?)));
@@ -131,6 +132,13 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
         functions.push(plug(ctx, kind, model, gsis.clone(), ioevents.clone())?);
     }
     Ok(functions)
+}
+
+/// `FERROVM_KERNEL_EVENTFDS=off` makes the devices take the paths of a kernel without
+/// irqfd and ioeventfd (bhyve's): notifications as MMIO exits, MSIs injected from user space.
+/// For tests and diagnosis; the kernel paths are used wherever they exist otherwise.
+fn kernel_eventfds_wanted() -> bool {
+    std::env::var("FERROVM_KERNEL_EVENTFDS").map_or(true, |v| v != "off")
 }
 
 /// Wraps one device model in the virtio-pci transport and adds it to the bus.
@@ -171,8 +179,9 @@ fn plug(
     Ok(function)
 }
 
-/// Opens a `--disk` image. A disk gets at most one queue per vCPU.
-fn open_disk(disk: &DiskConfig, cpus: u32) -> Result<Block> {
+/// Opens a `--disk` image, locked unless `defer_lock`. A disk gets at most one queue per
+/// vCPU.
+fn open_disk(disk: &DiskConfig, cpus: u32, defer_lock: bool) -> Result<Block> {
     let options = BlockOptions {
         path: disk.path.clone(),
         readonly: disk.readonly,
@@ -185,6 +194,7 @@ fn open_disk(disk: &DiskConfig, cpus: u32) -> Result<Block> {
             .queues
             .min(u16::try_from(cpus).unwrap_or(u16::MAX))
             .max(1),
+        defer_lock,
     };
     Block::new(options).map_err(|e| Error::Option {
         option: "--disk",

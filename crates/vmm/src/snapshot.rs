@@ -626,6 +626,20 @@ impl VmControl for VmPause<'_> {
     fn throttle(&mut self, percent: u8) {
         self.core.control.set_throttle(percent);
     }
+
+    fn hand_over(&mut self) -> migration::Result<()> {
+        self.core
+            .devices
+            .hand_over()
+            .map_err(|e| vm_error("handing over", e))
+    }
+
+    fn take_back(&mut self) -> migration::Result<()> {
+        self.core
+            .devices
+            .take_over()
+            .map_err(|e| vm_error("taking the disks back", e))
+    }
 }
 
 /// `tcp:HOST:PORT` → `HOST:PORT`.

@@ -80,6 +80,28 @@ impl DeviceList {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// Migration hand-over on the source: every device lets go of what the destination must
+    /// take over (disk image locks). Stops at the first failure, naming the device.
+    pub fn hand_over(&self) -> Result<()> {
+        for (id, device) in &self.devices {
+            lock(device)
+                .hand_over()
+                .map_err(|e| Error::Devices(format!("handing over {id}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Every device takes what `hand_over` let go of: a migration destination before its
+    /// guest runs, or a source taking it back. Stops at the first failure, naming it.
+    pub fn take_over(&self) -> Result<()> {
+        for (id, device) in &self.devices {
+            lock(device)
+                .take_over()
+                .map_err(|e| Error::Devices(format!("{id}: {e}")))?;
+        }
+        Ok(())
+    }
+
     /// Every device's state, by id.
     pub fn save(&self) -> Result<BTreeMap<String, DeviceState>> {
         self.devices

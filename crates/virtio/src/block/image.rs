@@ -77,7 +77,9 @@ impl DiskImage {
             .map_err(|e| image_error(path, ImageErrorKind::Open, e))?;
         let kind = image_kind(path)?;
         let file = open_file(path, options)?;
-        lock_image(&file, path, options.readonly)?;
+        if !options.defer_lock {
+            lock_image(&file, path, options.readonly)?;
+        }
         let bytes = image_size(&file, kind)
             .map_err(|e| image_error(path, ImageErrorKind::Open, format!("cannot size: {e}")))?;
         let direct_align =
@@ -94,6 +96,16 @@ impl DiskImage {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Takes the image's lock (again): exclusive when writable, shared when read-only.
+    pub fn lock(&self) -> Result<(), ImageError> {
+        lock_image(&self.file, &self.path, self.readonly)
+    }
+
+    /// Lets go of the image's lock, for another machine to take it (migration hand-over).
+    pub fn unlock(&self) -> io::Result<()> {
+        sys::unlock(&self.file)
     }
 
     pub fn kind(&self) -> ImageKind {
@@ -512,6 +524,19 @@ mod sys {
         Ok(())
     }
 
+    pub fn unlock(file: &File) -> io::Result<()> {
+        // SAFETY: an all-zero flock is a valid value; the fields that matter are set below.
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = libc::F_UNLCK as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        // SAFETY: `fl` is a valid flock for the duration of the call.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     pub fn is_lock_conflict(e: &io::Error) -> bool {
         matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES))
     }
@@ -641,6 +666,15 @@ mod sys {
         // SAFETY: plain system call on an owned descriptor. flock locks belong to the open
         // file description, like Linux's OFD locks.
         let rc = unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    pub fn unlock(file: &File) -> io::Result<()> {
+        // SAFETY: plain system call on an owned descriptor.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
         if rc < 0 {
             return Err(io::Error::last_os_error());
         }

@@ -50,6 +50,9 @@ pub struct BlockOptions {
     pub cache: CacheMode,
     /// Request queues, 1..=[`MAX_QUEUES`]; each is served by its own thread.
     pub queues: u16,
+    /// Open the image without its lock, which [`crate::VirtioDevice::take_over`] takes later:
+    /// a migration destination, whose source holds the lock until the hand-over.
+    pub defer_lock: bool,
 }
 
 impl BlockOptions {
@@ -61,6 +64,7 @@ impl BlockOptions {
             serial: None,
             cache: CacheMode::Writeback,
             queues: 1,
+            defer_lock: false,
         }
     }
 

@@ -396,6 +396,31 @@ fn readonly_disks_refuse_changes() {
 }
 
 #[test]
+fn the_lock_is_handed_over_and_taken_back() {
+    let dir = TempDir::new("blk-handover");
+    let path = dir.join("disk.img");
+    make_image(&path, 1 << 20);
+    let mut source = Block::new(BlockOptions::new(&path)).unwrap();
+    // A migration destination opens the image without its lock...
+    let deferred = BlockOptions {
+        defer_lock: true,
+        ..BlockOptions::new(&path)
+    };
+    let mut destination = Block::new(deferred).unwrap();
+    let dest = |d: &mut Block| VirtioDevice::<GuestMemoryMmap>::take_over(d);
+    // ...and cannot take it while the source holds it.
+    assert!(dest(&mut destination).unwrap_err().0.contains("locked"));
+    VirtioDevice::<GuestMemoryMmap>::hand_over(&mut source).unwrap();
+    dest(&mut destination).unwrap();
+    // Now the source cannot take it back, nor can a third VMM open the image.
+    let back = VirtioDevice::<GuestMemoryMmap>::take_over(&mut source).unwrap_err();
+    assert!(back.0.contains("locked by another process"), "{}", back.0);
+    assert!(Block::new(BlockOptions::new(&path)).is_err());
+    drop(destination);
+    VirtioDevice::<GuestMemoryMmap>::take_over(&mut source).unwrap();
+}
+
+#[test]
 fn images_are_locked() {
     let dir = TempDir::new("blk-lock");
     let path = dir.join("disk.img");
@@ -783,8 +808,26 @@ fn restore_checks_the_image() {
         readonly: true,
         ..BlockOptions::new(&same)
     };
-    let mut dev = Block::new(ro).unwrap();
-    assert!(VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &saved).is_err());
+    let mut dev = Block::new(ro.clone()).unwrap();
+    let err = VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &saved).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the saved disk was writable, this one is read-only"),
+        "{err}"
+    );
+    // Even when the driver acked none of the features a read-only disk withdraws.
+    let mut state: BlockState = saved.parse("virtio-blk", STATE_VERSION).unwrap();
+    state.acked_features &= VirtioDevice::<GuestMemoryMmap>::features(&dev);
+    let narrow = DeviceState::new(STATE_VERSION, &state).unwrap();
+    assert!(VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &narrow).is_err());
+    drop(dev);
+    // And the other way round.
+    let dev = Block::new(ro).unwrap();
+    let saved_ro = VirtioDevice::<GuestMemoryMmap>::save(&dev).unwrap();
+    drop(dev);
+    let mut dev = Block::new(BlockOptions::new(&same)).unwrap();
+    let err = VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &saved_ro).unwrap_err();
+    assert!(err.to_string().contains("was read-only"), "{err}");
 }
 
 fn thread_names() -> Vec<String> {

@@ -99,7 +99,11 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioPciDevice<M> {
         let bad = |detail: String| StateError::new(STATE_DEVICE, detail);
         self.config.check(&state.header).map_err(bad)?;
         if state.queues.len() != self.queue_max_sizes.len() {
-            return Err(bad(format!("{} queues", state.queues.len())));
+            return Err(bad(format!(
+                "{} queues saved, this device has {}: not the same device configuration",
+                state.queues.len(),
+                self.queue_max_sizes.len()
+            )));
         }
         let vectors = self.interrupt.vectors();
         let vector_ok = |v: u16| v == NO_VECTOR || v < vectors;
@@ -194,6 +198,14 @@ impl<M: GuestMemory + Send + Sync + 'static> Lifecycle for VirtioPciDevice<M> {
 
     fn pause(&mut self) -> Result<(), LifecycleError> {
         self.device.pause()
+    }
+
+    fn hand_over(&mut self) -> Result<(), LifecycleError> {
+        self.device.hand_over()
+    }
+
+    fn take_over(&mut self) -> Result<(), LifecycleError> {
+        self.device.take_over()
     }
 
     /// Resumes the device. One restored as active is activated again (then resumed, in

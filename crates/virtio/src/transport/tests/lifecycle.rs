@@ -155,6 +155,8 @@ fn restore_refuses_states_that_cannot_be() {
             data: saved.data.clone(),
         },
     ];
+    let err = other.dev.restore(&bad[0]).unwrap_err().to_string();
+    assert!(err.contains("1 queues saved, this device has 2"), "{err}");
     for (i, state) in bad.iter().enumerate() {
         if i == 13 {
             // Unknown fields are ignored by serde; the rest is valid.
