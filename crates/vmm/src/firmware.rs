@@ -243,6 +243,13 @@ pub fn map_memory(
             "a firmware boot needs guest RAM up to 1 MiB at least".into(),
         ));
     }
+    // The PAM registers switch these slots later: find out now whether the accelerator can
+    // (a no-op where it can: they are read-only already).
+    vm.set_memory_readonly(&blocks[0], true).map_err(|e| {
+        Error::Memory(format!(
+            "firmware boot needs shadow RAM the accelerator can write-protect: {e}"
+        ))
+    })?;
     let rom_mapping = map_rom(rom)?;
     let rom_slot = MemoryRegion {
         slot: slots.len() as u32,
