@@ -554,7 +554,7 @@ def firmware_section(res, docs, out):
         "(`bootsect: drive 00000080`, written straight to COM1) arriving on the console pipe, "
         "and to the process's exit after the boot sector has read and checked 64 sectors "
         "through INT 13h and written to debug-exit. All of SeaBIOS runs in emulated ring 0 "
-        "here; about 3 s of it is one byte-by-byte `memset` in its `startBoot()`. "
+        "here; about half of it is one byte-by-byte `memset` in its `startBoot()`, and the figures grow with the load of this shared host. "
         f"{len(f)} interleaved rounds; measured {fw['measured']}, ferrovm commit {fw['ferrovm_commit']}.\n")
     out.append("```\n"
                "target/release/ferrovm run --disk target/guests/bootsect.img,readonly --memory 256M \\\n"

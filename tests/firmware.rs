@@ -194,7 +194,11 @@ impl Vm {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status.code();
             }
-            assert!(start.elapsed() < LIMIT, "VM did not end:\n{}", self.output());
+            assert!(
+                start.elapsed() < LIMIT,
+                "VM did not end:\n{}",
+                self.output()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
