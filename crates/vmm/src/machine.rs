@@ -260,8 +260,13 @@ impl Machine {
                 .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()).id())
                 .collect();
             let pm_timer = caps.pm_timer_port.unwrap_or(boot::acpi::PM_TMR_BLK);
-            let acpi = boot::acpi::AcpiTables::new(config.cpus, config.memory, pm_timer)
-                .map_err(|e| Error::Firmware(e.to_string()))?;
+            let acpi = boot::acpi::AcpiTables::with_mmio32_end(
+                config.cpus,
+                config.memory,
+                pm_timer,
+                boot::layout::IOAPIC_START,
+            )
+            .map_err(|e| Error::Firmware(e.to_string()))?;
             firmware::attach(
                 fw,
                 &platform.pci,
