@@ -282,3 +282,30 @@ fn migration_while_the_boot_sector_reads_the_disk() {
     assert!(passes(&out) < 100, "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A guest booted from disk drives that disk with its own virtio driver after the firmware
+/// had it: it resets the device SeaBIOS set up and uses the BAR where SeaBIOS put it.
+#[test]
+fn kit_guest_drives_its_boot_disk_after_the_firmware() {
+    let dir = scratch("blk-rw");
+    let disk = dir.join("blk-rw.img");
+    let mkdisk = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../guests/boot/mkdisk.sh");
+    let status = Command::new("sh")
+        .arg(&mkdisk)
+        .arg(image("boot/loader.bin"))
+        .arg(image("boot/blk-rw.stripped"))
+        .arg(&disk)
+        .arg("serial=fw-disk0 capacity=2048")
+        .status()
+        .unwrap();
+    assert!(status.success(), "mkdisk.sh");
+    let spec = format!("{},serial=fw-disk0", disk.display());
+    let run = ferrovm(&["run", "--disk", &spec, "--cpus", "2"], LIMIT);
+    run.expect_status(1)
+        .expect_stdout("loader: entering the kernel")
+        .expect_stdout("blk-rw: capacity 2048 sectors (1 MiB)")
+        .expect_stdout("blk-rw: read back 256 sectors in ")
+        .expect_stdout("blk-rw: GET_ID \"fw-disk0\"");
+    assert_eq!(run.last_line(), "PASS", "{}", run.stdout);
+    let _ = std::fs::remove_dir_all(&dir);
+}
