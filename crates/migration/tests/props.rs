@@ -113,26 +113,33 @@ proptest! {
     }
 }
 
-/// Writes the seeds into `$FERROVM_FUZZ_CORPUS/migration_stream/` (run by `make fuzz-seeds`),
-/// each with its mode byte, once as is and once with the CRC fix-up bit.
+/// Writes the seeds into `$FERROVM_FUZZ_CORPUS/migration_stream/` and `snapshot_file/` (run
+/// by `make fuzz-seeds`), each behind its mode byte (see `harness::fuzz_one`).
 #[test]
 #[ignore = "writes the fuzz corpus seeds; run by make fuzz-seeds"]
 fn write_fuzz_seeds() {
     let Some(dir) = std::env::var_os("FERROVM_FUZZ_CORPUS") else {
         panic!("set FERROVM_FUZZ_CORPUS to the fuzz corpus directory");
     };
-    let dir = std::path::Path::new(&dir).join("migration_stream");
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = std::path::Path::new(&dir);
     let names = [
         "stream",
         "live-stream",
         "live-frames",
-        "snapshot-file",
+        "snapshot",
         "replies",
     ];
     for ((bytes, _, mode), name) in seeds().into_iter().zip(names) {
-        let mut data = vec![mode];
-        data.extend_from_slice(&bytes);
-        std::fs::write(dir.join(name), &data).unwrap();
+        let target = if mode == 2 {
+            "snapshot_file"
+        } else {
+            "migration_stream"
+        };
+        std::fs::create_dir_all(dir.join(target)).unwrap();
+        for (fix, suffix) in [(0u8, ""), (0x80, "-fixcrc")] {
+            let mut data = vec![mode | fix];
+            data.extend_from_slice(&bytes);
+            std::fs::write(dir.join(target).join(format!("{name}{suffix}")), &data).unwrap();
+        }
     }
 }
