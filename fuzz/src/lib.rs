@@ -12,6 +12,10 @@ use vm_memory::{GuestAddress, GuestMemoryMmap};
 #[path = "../../crates/migration/tests/support/harness.rs"]
 pub mod migration_harness;
 
+/// The devices crate's state harness, shared with its property tests.
+#[path = "../../crates/devices/tests/support/state_harness.rs"]
+pub mod device_state_harness;
+
 /// Guest RAM of the boot target.
 pub const BOOT_MEM: u64 = 32 << 20;
 /// Largest single allocation any target may make (the fuzzer's inputs stay below 1 MiB;
@@ -74,6 +78,13 @@ pub fn snapshot_file(data: &[u8]) {
     migration_harness::fuzz_one(&input);
 }
 
+/// A device state (JSON) restored into a fresh device, then guest port accesses: byte 0 picks
+/// the device, byte 1 the number of 4-byte accesses that follow, the rest is the JSON (see
+/// [`device_state_harness::fuzz_one`]).
+pub fn device_state(data: &[u8]) {
+    device_state_harness::fuzz_one(data);
+}
+
 /// One control API request line; an accepted one names a known operation.
 pub fn api_request(data: &[u8]) {
     let Ok(request) = vmm::api::parse_request(data) else {
@@ -93,9 +104,10 @@ pub fn api_request(data: &[u8]) {
 }
 
 /// Every target by name: (corpus directory, harness).
-pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+pub const TARGETS: [(&str, fn(&[u8])); 5] = [
     ("boot_loader", boot_loader),
     ("migration_stream", migration_stream),
     ("snapshot_file", snapshot_file),
+    ("device_state", device_state),
     ("api_request", api_request),
 ];
