@@ -21,13 +21,10 @@ fn run(kind: usize, json: Vec<u8>, accesses: Vec<u8>) -> bool {
 
 #[test]
 fn fresh_states_restore() {
-    for kind in 0..DEVICES.len() {
+    for (kind, name) in DEVICES.iter().enumerate() {
         let json = serde_json::to_vec(&fresh_state(kind)).unwrap();
-        assert!(
-            run(kind, json, vec![0, 0, 0, 0, 1, 0, 1, 0x80]),
-            "{}",
-            DEVICES[kind]
-        );
+        let accesses = vec![0, 0, 0, 0, 1, 0, 1, 0x80];
+        assert!(run(kind, json, accesses), "{name}");
     }
 }
 
