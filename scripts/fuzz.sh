@@ -33,6 +33,17 @@ ensure_tools() {
     # cargo-afl builds AFL++ on installation; this builds it if that was skipped (and only
     # says "already built" otherwise).
     cargo afl config --build >/dev/null 2>&1 || true
+    # afl-cmin runs afl-showmap from AFL_PATH, else from PATH: make it cargo-afl's own (an
+    # older AFL++ from a distribution package may be on PATH and lacks options it passes).
+    local version hash
+    version=$(rustc -V | awk '{ print $2 }')
+    hash=$(rustc -vV | awk '/^commit-hash/ { print substr($2, 1, 7) }')
+    AFL_PATH=${XDG_DATA_HOME:-$HOME/.local/share}/afl.rs/rustc-$version-$hash/afl.rs-$CARGO_AFL_VERSION/afl/bin
+    if [ ! -x "$AFL_PATH/afl-showmap" ]; then
+        echo "fuzz: cargo-afl's AFL++ is not at $AFL_PATH" >&2
+        exit 2
+    fi
+    export AFL_PATH
 }
 
 # One line per target from AFL++'s fuzzer_stats.
@@ -65,14 +76,21 @@ keep_failures() {
     return $found
 }
 
+# Replaces fuzz/corpus/<target> by the minimised union of it and the new queue, unless
+# minimising fails (the corpus is then left as it was).
 update_corpus() {
     local target=$1 merged
     merged=$(mktemp -d)
     cp "$ROOT/fuzz/corpus/$target"/* "$merged"/
     cp "$OUT/$target/default/queue"/id:* "$merged"/ 2>/dev/null || true
     rm -rf "$OUT/$target.cmin"
-    cargo afl cmin -i "$merged" -o "$OUT/$target.cmin" -t 5000 \
-        -- "$ROOT/fuzz/target/release/$target" >"$OUT/$target.cmin.log" 2>&1
+    if ! AFL_NO_AFFINITY=1 cargo afl cmin -i "$merged" -o "$OUT/$target.cmin" -t 5000 \
+        -- "$ROOT/fuzz/target/release/$target" >"$OUT/$target.cmin.log" 2>&1 ||
+        [ -z "$(ls -A "$OUT/$target.cmin" 2>/dev/null)" ]; then
+        rm -rf "$merged"
+        echo "fuzz: $target: minimising the corpus failed (see $OUT/$target.cmin.log)"
+        return 1
+    fi
     rm -rf "$merged" "$ROOT/fuzz/corpus/$target"
     mkdir -p "$ROOT/fuzz/corpus/$target"
     for f in "$OUT/$target.cmin"/*; do
@@ -99,7 +117,7 @@ for target in $FUZZ_TARGETS; do
         failed=1
     fi
     if [ "${FUZZ_UPDATE_CORPUS:-0}" = 1 ]; then
-        update_corpus "$target"
+        update_corpus "$target" || failed=1
     fi
 done
 exit $failed

@@ -1,6 +1,6 @@
 //! The fuzz targets' harnesses: one function per target, taking the fuzzer's bytes. The
-//! binaries in `src/bin/` wrap them in `afl::fuzz!`; `tests/corpus.rs` replays the corpus
-//! through them with plain `cargo test`.
+//! binaries in `src/bin/` wrap them in `afl::fuzz!`; the test below replays the corpus
+//! through them with plain `cargo test --lib`.
 
 use std::io::Cursor;
 use std::sync::OnceLock;
@@ -103,11 +103,42 @@ pub fn api_request(data: &[u8]) {
     assert_eq!(op, expected);
 }
 
+/// A target's harness.
+pub type Harness = fn(&[u8]);
+
 /// Every target by name: (corpus directory, harness).
-pub const TARGETS: [(&str, fn(&[u8])); 5] = [
+pub const TARGETS: [(&str, Harness); 5] = [
     ("boot_loader", boot_loader),
     ("migration_stream", migration_stream),
     ("snapshot_file", snapshot_file),
     ("device_state", device_state),
     ("api_request", api_request),
 ];
+
+/// `cargo test --lib` here replays every input of `corpus/<target>/` and of
+/// `crashes/<target>/` (inputs that once failed, kept as regression cases) through its
+/// target's harness, without AFL++ (the binaries link only under `cargo afl`).
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    #[test]
+    fn corpus_replays_cleanly() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut total = 0;
+        for (name, harness) in super::TARGETS {
+            for dir in ["corpus", "crashes"] {
+                let Ok(entries) = std::fs::read_dir(root.join(dir).join(name)) else {
+                    continue;
+                };
+                for entry in entries {
+                    let path = entry.unwrap().path();
+                    harness(&std::fs::read(&path).unwrap());
+                    total += 1;
+                }
+            }
+        }
+        assert!(total > 0, "no corpus under {}", root.display());
+        println!("replayed {total} inputs");
+    }
+}
