@@ -33,8 +33,8 @@ ensure_tools() {
     # cargo-afl builds AFL++ on installation; this builds it if that was skipped (and only
     # says "already built" otherwise).
     cargo afl config --build >/dev/null 2>&1 || true
-    # afl-cmin runs afl-showmap from AFL_PATH, else from PATH: make it cargo-afl's own (an
-    # older AFL++ from a distribution package may be on PATH and lacks options it passes).
+    # afl-cmin runs the first afl-showmap on PATH: make it cargo-afl's own (an older AFL++
+    # from a distribution package may be on PATH and lacks options afl-cmin passes).
     local version hash
     version=$(rustc -V | awk '{ print $2 }')
     hash=$(rustc -vV | awk '/^commit-hash/ { print substr($2, 1, 7) }')
@@ -43,7 +43,7 @@ ensure_tools() {
         echo "fuzz: cargo-afl's AFL++ is not at $AFL_PATH" >&2
         exit 2
     fi
-    export AFL_PATH
+    export AFL_PATH PATH=$AFL_PATH:$PATH
 }
 
 # One line per target from AFL++'s fuzzer_stats.
@@ -84,7 +84,8 @@ update_corpus() {
     cp "$ROOT/fuzz/corpus/$target"/* "$merged"/
     cp "$OUT/$target/default/queue"/id:* "$merged"/ 2>/dev/null || true
     rm -rf "$OUT/$target.cmin"
-    if ! AFL_NO_AFFINITY=1 cargo afl cmin -i "$merged" -o "$OUT/$target.cmin" -t 5000 \
+    # The awk afl-cmin: the Python one finds no coverage in persistent-mode targets here.
+    if ! "$AFL_PATH/afl-cmin.awk" -i "$merged" -o "$OUT/$target.cmin" -t 5000 \
         -- "$ROOT/fuzz/target/release/$target" >"$OUT/$target.cmin.log" 2>&1 ||
         [ -z "$(ls -A "$OUT/$target.cmin" 2>/dev/null)" ]; then
         rm -rf "$merged"
