@@ -84,8 +84,9 @@ update_corpus() {
     cp "$ROOT/fuzz/corpus/$target"/* "$merged"/
     cp "$OUT/$target/default/queue"/id:* "$merged"/ 2>/dev/null || true
     rm -rf "$OUT/$target.cmin"
-    # The awk afl-cmin: the Python one finds no coverage in persistent-mode targets here.
-    if ! "$AFL_PATH/afl-cmin.awk" -i "$merged" -o "$OUT/$target.cmin" -t 5000 \
+    # The awk afl-cmin (the Python one finds no coverage in persistent-mode targets here),
+    # by edges (-e), not hit counts: a smaller corpus.
+    if ! "$AFL_PATH/afl-cmin.awk" -e -i "$merged" -o "$OUT/$target.cmin" -t 5000 \
         -- "$ROOT/fuzz/target/release/$target" >"$OUT/$target.cmin.log" 2>&1 ||
         [ -z "$(ls -A "$OUT/$target.cmin" 2>/dev/null)" ]; then
         rm -rf "$merged"

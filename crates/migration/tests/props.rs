@@ -35,7 +35,7 @@ fn seeds_are_accepted_and_restore_the_source() {
     for live in [false, true] {
         let stream = seed_stream(live);
         assert!(check_receive(&stream), "live = {live}");
-        assert_eq!(check_frames(&stream, false), if live { 15 } else { 9 });
+        assert_eq!(check_frames(&stream, false), if live { 13 } else { 8 });
         let ram = small_ram();
         migration::restore_from(&ram, stream.as_slice(), &config()).unwrap();
         for addr in harness::DATA_PAGES {
@@ -46,7 +46,7 @@ fn seeds_are_accepted_and_restore_the_source() {
     }
     let file = seed_snapshot_file();
     assert!(check_snapshot_file(&file));
-    assert_eq!(check_frames(&file, true), 7);
+    assert_eq!(check_frames(&file, true), 6);
     assert_eq!(check_replies(&seed_replies()), 4);
     drop(source);
 }
