@@ -539,8 +539,8 @@ def bench_restore(cfg):
 # ---------------------------------------------------------------------------------------
 # 7. virtio-blk
 
-BLK_RE = re.compile(r"blk: test=(\S+) qd=(\d+) bs=(\d+) rep=(\d+) n=(\d+) cycles=(\d+)"
-                    r"(?: irqs=(\d+) kicks=(\d+) waits=(\d+))?")
+BLK_RE = re.compile(r"blk: test=(\S+) qd=(\d+)(?: queues=(\d+))? bs=(\d+) rep=(\d+) n=(\d+) "
+                    r"cycles=(\d+)(?: irqs=(\d+) kicks=(\d+) waits=(\d+))?")
 BLK_ENVS = ["ferrovm", "qemu", "host"]
 
 
@@ -569,59 +569,74 @@ def sync_file(path):
         os.close(fd)
 
 
-def blk_args(cfg):
-    return {"mib": cfg["blk_mib"], "ms": cfg["blk_ms"], "seq_bs": cfg["blk_seq_bs"],
+def blk_args(cfg, queues=1):
+    args = {"mib": cfg["blk_mib"], "ms": cfg["blk_ms"], "seq_bs": cfg["blk_seq_bs"],
             "seq_qd": cfg["blk_seq_qd"], "seed": 1}
+    if queues > 1:  # the extra run: 2 queues x 32, on the region the main run wrote
+        args.update(queues=2, tests="randread32x2,randwrite32x2", fill=0)
+    return args
 
 
-def blk_cmd(env, img, cfg):
-    args = " ".join(f"{k}={v}" for k, v in blk_args(cfg).items())
+def blk_cmd(env, img, cfg, queues=1):
+    args = " ".join(f"{k}={v}" for k, v in blk_args(cfg, queues).items())
     guest_args = args + (f" wait={cfg['blk_wait']}" if cfg["blk_wait"] else "")
+    # Two queues need two vCPUs in ferrovm (a disk gets at most one queue per vCPU); QEMU
+    # gets the same. The guest drives both queues from its first vCPU; the second stays
+    # in its wait for start-up.
+    cpus = str(queues)
     if env == "ferrovm":
         return ferrovm_cmd(guest("bench-blk"), guest_args, 256,
-                           extra=["--disk", f"{img},cache=writeback"])
+                           extra=["--cpus", cpus, "--disk", f"{img},cache=writeback,queues={queues}"])
     if env == "qemu":
         # microvm with its PCIe host: ferrovm's layout (ECAM at 0xe0000000, the same 32-bit BAR
         # window), no firmware; no MCFG and BARs left unassigned, hence ecam= and pci_assign=1.
         # kernel-irqchip=on: microvm's default is split; ferrovm's is in-kernel.
         return [QEMU, "-accel", "kvm,kernel-irqchip=on", "-M", "microvm,pcie=on,acpi=on,rtc=on",
-                "-m", "256", "-smp", "1", "-nodefaults", "-nographic", "-no-user-config",
+                "-m", "256", "-smp", cpus, "-nodefaults", "-nographic", "-no-user-config",
                 "-no-reboot", "-device", "isa-debug-exit,iobase=0xf4,iosize=1", "-serial", "stdio",
                 "-kernel", str(GUESTS / "pvh-only/bench-blk.elf"),
                 "-append", guest_args + " ecam=0xe0000000 pci_assign=1",
                 "-drive", f"file={img},format=raw,if=none,id=d0,cache=writeback,aio=threads",
-                "-device", "virtio-blk-pci,drive=d0,disable-legacy=on,num-queues=1"]
+                "-device", f"virtio-blk-pci,drive=d0,disable-legacy=on,num-queues={queues}"]
     return [BLKHOST, str(img)] + args.split()
+
+
+def blk_run(env, img, cfg, queues, rnd, hz):
+    sync_file(img)
+    status, out, err = run_guest(blk_cmd(env, img, cfg, queues))
+    ok = status == 0 if env == "host" else (status == 1 and "PASS" in out)
+    if not ok:
+        raise RuntimeError(f"bench-blk under {env}: status {status}\n{out}\n{err}")
+    samples = []
+    for m in BLK_RE.finditer(out):
+        test, qd, nq, bs, rep, n, cycles, irqs, kicks, waits = m.groups()
+        s = int(cycles) / hz
+        sample = {"env": env, "round": rnd, "test": test, "qd": int(qd), "queues": int(nq or 1),
+                  "bs": int(bs), "rep": int(rep), "n": int(n), "s": s, "iops": int(n) / s,
+                  "us": s / int(n) * 1e6, "mbps": int(n) * int(bs) / s / 1e6}
+        if irqs is not None:
+            sample.update(irqs=int(irqs), kicks=int(kicks), waits=int(waits))
+        samples.append(sample)
+    return samples
 
 
 def bench_blk(cfg, hz):
     img = ROOT / "target/bench/blk.img"
     blk_image(img, cfg["blk_image_gib"])
+    runs = [1, 2] if cfg["blk_two_queues"] else [1]
     samples = []
     for r in range(cfg["blk_rounds"]):
         for env in rotate(BLK_ENVS, r):
-            sync_file(img)
-            status, out, err = run_guest(blk_cmd(env, img, cfg))
-            ok = status == 0 if env == "host" else (status == 1 and "PASS" in out)
-            if not ok:
-                raise RuntimeError(f"bench-blk under {env}: status {status}\n{out}\n{err}")
-            for m in BLK_RE.finditer(out):
-                test, qd, bs, rep, n, cycles, irqs, kicks, waits = m.groups()
-                s = int(cycles) / hz
-                sample = {"env": env, "round": r, "test": test, "qd": int(qd), "bs": int(bs),
-                          "rep": int(rep), "n": int(n), "s": s, "iops": int(n) / s,
-                          "us": s / int(n) * 1e6, "mbps": int(n) * int(bs) / s / 1e6}
-                if irqs is not None:
-                    sample.update(irqs=int(irqs), kicks=int(kicks), waits=int(waits))
-                samples.append(sample)
+            for queues in runs:
+                samples += blk_run(env, img, cfg, queues, r, hz)
         log(f"blk round {r + 1}/{cfg['blk_rounds']}: " + ", ".join(
-            f"{x['env']} {x['test']}{x['qd']} {x['iops']:.0f}" for x in samples
-            if x["round"] == r and x["test"] == "randread"))
+            f"{x['env']} {x['test']}{x['qd']}{'x2' if x['queues'] > 1 else ''} {x['iops']:.0f}"
+            for x in samples if x["round"] == r and x["test"] == "randwrite" and x["qd"] > 1))
+    show = lambda c: shlex.join([os.path.basename(QEMU) if x == QEMU else str(x) for x in c])  # noqa: E731
     return {"guest": "bench-blk", "args": blk_args(cfg), "wait": cfg["blk_wait"],
             "image_gib": cfg["blk_image_gib"], "memory_mib": 256,
-            "commands": {env: shlex.join([os.path.basename(QEMU) if c == QEMU else str(c)
-                                          for c in blk_cmd(env, "IMG", cfg)]).replace(str(ROOT) + "/", "")
-                         for env in BLK_ENVS},
+            "commands": {f"{env}{'' if q == 1 else '-x2'}": show(blk_cmd(env, "IMG", cfg, q)).replace(str(ROOT) + "/", "")
+                         for env in BLK_ENVS for q in runs},
             "samples": samples, "measured": time.strftime("%Y-%m-%d %H:%M %Z"),
             "ferrovm_commit": commit()}
 
@@ -636,7 +651,7 @@ def config(quick):
         "work_rounds": 3, "work_reps": 3, "work_mib": 256,
         "restore_rounds": 5, "restore_mem_mib": 1024, "restore_touch_mib": [256, 896],
         "blk_rounds": 6, "blk_ms": 1000, "blk_mib": 256, "blk_seq_bs": 262144, "blk_seq_qd": 4,
-        "blk_image_gib": 1, "blk_wait": "hlt",
+        "blk_image_gib": 1, "blk_wait": "hlt", "blk_two_queues": True,
         "migration_cases": (
             [{"link": "loopback", "guest": "migrate-idle", "gib": g, "runs": 5} for g in (1, 2, 4, 8)]
             + [{"link": "loopback", "guest": "migrate-dirty", "gib": 2, "mib": 256, "runs": 2}]

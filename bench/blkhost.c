@@ -5,9 +5,10 @@
  *   blkhost IMAGE [key=value ...]
  *
  * Keys as the guest's: mib=64 (region from start=0, in sectors), ms=1000 per measurement,
- * seq_bs=262144, seq_qd=4, seed=1, reps=1, fill=1, tests=seqwrite,seqread,randread1,
- * randread32,randwrite1,randwrite32 (the default, in that order); direct=1 opens the image
- * with O_DIRECT (the cache=none rows).
+ * seq_bs=262144, seq_qd=4, seed=1, reps=1, fill=1, queues=1, tests=seqwrite,seqread,randread1,
+ * randread32,randwrite1,randwrite32 (the default, in that order), and with queues=2
+ * randread32x2, randwrite32x2 (the guest's two queues × 32: 64 threads here); direct=1
+ * opens the image with O_DIRECT.
  *
  * A measurement with depth d runs d threads, each with one request in flight: pread or
  * pwrite of the request's size at the next offset of the shared sequence, until the
@@ -16,7 +17,7 @@
  * sequential ones: the next seq_bs block of the region, wrapping. So depth 1 is a plain
  * synchronous loop and depth 32 is 32 synchronous threads (no io_uring, no AIO).
  *
- * Output, as the guest's: "blk: test=<name> qd=<d> bs=<bytes> rep=<k> n=<requests>
+ * Output, as the guest's: "blk: test=<name> qd=<d> [queues=2 ]bs=<bytes> rep=<k> n=<requests>
  * cycles=<tsc>" per measurement, with the TSC read on the calling thread around the run.
  */
 #define _GNU_SOURCE
@@ -40,22 +41,25 @@
 struct job {
 	const char *key, *name;
 	bool write, random;
-	unsigned qd;		/* 0: seq_qd */
+	unsigned qd;		/* per queue; 0: seq_qd */
+	unsigned queues;	/* the guest's queues: qd * queues threads */
 };
 
 static const struct job jobs[] = {
-	{ "seqwrite", "seqwrite", true, false, 0 },
-	{ "seqread", "seqread", false, false, 0 },
-	{ "randread1", "randread", false, true, 1 },
-	{ "randread32", "randread", false, true, 32 },
-	{ "randwrite1", "randwrite", true, true, 1 },
-	{ "randwrite32", "randwrite", true, true, 32 },
+	{ "seqwrite", "seqwrite", true, false, 0, 1 },
+	{ "seqread", "seqread", false, false, 0, 1 },
+	{ "randread1", "randread", false, true, 1, 1 },
+	{ "randread32", "randread", false, true, 32, 1 },
+	{ "randwrite1", "randwrite", true, true, 1, 1 },
+	{ "randwrite32", "randwrite", true, true, 32, 1 },
+	{ "randread32x2", "randread", false, true, 32, 2 },
+	{ "randwrite32x2", "randwrite", true, true, 32, 2 },
 };
 
 static struct {
 	const char *tests;
-	unsigned long start, mib, ms, seq_bs, seq_qd, seed, reps, fill, direct;
-} opt = { NULL, 0, 64, 1000, 262144, 4, 1, 1, 1, 0 };
+	unsigned long start, mib, ms, seq_bs, seq_qd, seed, reps, fill, direct, queues;
+} opt = { NULL, 0, 64, 1000, 262144, 4, 1, 1, 1, 0, 1 };
 
 struct run {
 	const struct job *job;
@@ -144,28 +148,32 @@ static void measure(int fd, const struct job *job, unsigned long rep, uint64_t *
 	struct run run = { .job = job, .fd = fd, .table = table };
 	run.bs = job->random ? RAND_BS : (uint32_t)opt.seq_bs;
 	fill_table(table, job->random, run.bs);
+	unsigned nthreads = qd * job->queues;
 	pthread_t threads[MAX_DEPTH];
 	unsigned long long t0 = __rdtsc();
 	run.deadline = t0 + opt.ms * per_ms;
-	for (unsigned i = 0; i < qd; i++)
+	for (unsigned i = 0; i < nthreads; i++)
 		if (pthread_create(&threads[i], NULL, worker, &run)) {
 			perror("pthread_create");
 			exit(1);
 		}
-	for (unsigned i = 0; i < qd; i++)
+	for (unsigned i = 0; i < nthreads; i++)
 		pthread_join(threads[i], NULL);
 	unsigned long long cycles = __rdtsc() - t0;
 	if (atomic_load(&run.failed))
 		exit(1);
 	/* Every index drawn was one completed request. */
 	unsigned long n = atomic_load(&run.next);
-	printf("blk: test=%s qd=%u bs=%u rep=%lu n=%lu cycles=%llu\n", job->name, qd, run.bs, rep, n,
-	       cycles);
+	printf("blk: test=%s qd=%u%s bs=%u rep=%lu n=%lu cycles=%llu\n", job->name, qd,
+	       job->queues > 1 ? " queues=2" : "", run.bs, rep, n, cycles);
 	fflush(stdout);
 }
 
-static bool wanted(const char *key)
+static bool wanted(const struct job *job)
 {
+	const char *key = job->key;
+	if (job->queues > opt.queues)
+		return false;
 	if (!opt.tests)
 		return true;
 	size_t k = strlen(key);
@@ -200,6 +208,7 @@ static void parse(int argc, char **argv)
 		{ "start", &opt.start }, { "mib", &opt.mib }, { "ms", &opt.ms },
 		{ "seq_bs", &opt.seq_bs }, { "seq_qd", &opt.seq_qd }, { "seed", &opt.seed },
 		{ "reps", &opt.reps }, { "fill", &opt.fill }, { "direct", &opt.direct },
+		{ "queues", &opt.queues },
 	};
 	for (int i = 2; i < argc; i++) {
 		char *eq = strchr(argv[i], '=');
@@ -255,7 +264,7 @@ int main(int argc, char **argv)
 		fill_region(fd);
 	for (unsigned long rep = 0; rep < opt.reps; rep++)
 		for (size_t j = 0; j < sizeof(jobs) / sizeof(jobs[0]); j++)
-			if (wanted(jobs[j].key))
+			if (wanted(&jobs[j]))
 				measure(fd, &jobs[j], rep, table, per_ms);
 	if (fdatasync(fd)) {
 		perror("fdatasync");

@@ -70,7 +70,7 @@ def grouped_bars(ax, groups, series_by_vmm, vmms, ylabel, log=False, fmt="{:.1f}
         bars = ax.bar(xs, m, width, yerr=err, capsize=3, color=COLORS.get(v), label=LABEL.get(v, v))
         for b, val in zip(bars, m):
             if val:
-                ax.annotate(fmt.format(val), (b.get_x() + b.get_width() / 2, b.get_height()),
+                ax.annotate(fmt(val) if callable(fmt) else fmt.format(val), (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                             textcoords="offset points")
     ax.set_xticks(range(len(groups)))
@@ -541,8 +541,9 @@ def restore_section(res, docs, out):
     return summary
 
 
-BLK_TESTS = [("randread", 1), ("randread", 32), ("randwrite", 1), ("randwrite", 32),
-             ("seqread", None), ("seqwrite", None)]
+# (test, in flight per queue (None: the sequential depth), queues)
+BLK_TESTS = [("randread", 1, 1), ("randread", 32, 1), ("randwrite", 1, 1), ("randwrite", 32, 1),
+             ("randread", 32, 2), ("randwrite", 32, 2), ("seqread", None, 1), ("seqwrite", None, 1)]
 BLK_ENVS = ["host", "ferrovm", "qemu"]
 
 
@@ -553,22 +554,27 @@ def blk_section(res, docs, out):
     seq_qd = args["seq_qd"]
     rounds = sorted({x["round"] for x in samples})
 
-    def sel(env, test, qd, key, rnd=None):
+    def pick(env, test, qd, nq, rnd=None):
         qd = seq_qd if qd is None else qd
-        return [x[key] for x in samples if x["env"] == env and x["test"] == test and x["qd"] == qd
-                and (rnd is None or x["round"] == rnd)]
+        return [x for x in samples if x["env"] == env and x["test"] == test and x["qd"] == qd
+                and x.get("queues", 1) == nq and (rnd is None or x["round"] == rnd)]
 
-    def per_round(a, b, test, qd, key):
+    def sel(env, test, qd, nq, key, rnd=None):
+        return [x[key] for x in pick(env, test, qd, nq, rnd)]
+
+    def per_round(a, b, test, qd, nq, key):
         xs = []
         for r in rounds:
-            x, y = sel(a, test, qd, key, r), sel(b, test, qd, key, r)
+            x, y = sel(a, test, qd, nq, key, r), sel(b, test, qd, nq, key, r)
             if x and y:
                 xs.append(med(x) / med(y))
         return xs
 
-    def label(test, qd):
+    def label(test, qd, nq):
         if qd is None:
             return f"{test} {args['seq_bs'] // 1024} KiB, depth {seq_qd}"
+        if nq > 1:
+            return f"{test} 4 KiB, {nq} queues × {qd}"
         return f"{test} 4 KiB, depth {qd}"
 
     out.append("## 7. virtio-blk: 4 KiB random IOPS, sequential MB/s\n")
@@ -610,6 +616,19 @@ def blk_section(res, docs, out):
     for env in ("ferrovm", "qemu", "host"):
         out.append(bk["commands"][env])
     out.append("```\n")
+    if "ferrovm-x2" in bk["commands"]:
+        out.append(
+            "The two-queue rows come from a second run per round and VMM, on the region the "
+            "first one wrote: `queues=2` (VIRTIO_BLK_F_MQ), 32 requests in flight on each of two "
+            "queues, both driven by the guest's first vCPU, whose wait arms both queues' "
+            "interrupts and ends with either. ferrovm gives a disk at most one queue per vCPU, "
+            "so both VMMs get two vCPUs (the second is never started) and a two-queue device: "
+            "ferrovm serves each queue on its own I/O thread, QEMU both on its main loop with "
+            "its thread pool; the floor runs 64 threads.\n")
+        out.append("```")
+        for env in ("ferrovm", "qemu", "host"):
+            out.append(bk["commands"][f"{env}-x2"])
+        out.append("```\n")
     out.append(
         f"{len(rounds)} interleaved rounds (ferrovm, QEMU, host, in an order rotating between "
         "rounds), one measurement of each kind per run. Throughput: IOPS for 4 KiB requests, "
@@ -619,18 +638,17 @@ def blk_section(res, docs, out):
     out.append("| requests | host floor | ferrovm | QEMU microvm | ferrovm / QEMU | ferrovm ÷ floor | QEMU ÷ floor |")
     out.append("| --- | --- | --- | --- | --- | --- | --- |")
     summary = {}
-    for test, qd in BLK_TESTS:
+    for test, qd, nq in BLK_TESTS:
         key = "mbps" if qd is None else "iops"
         unit = "MB/s" if qd is None else "IOPS"
-        h, f, q = (sel(e, test, qd, key) for e in BLK_ENVS)
+        h, f, q = (sel(e, test, qd, nq, key) for e in BLK_ENVS)
         if not (f and q):
             continue
-        digits = 0
-        summary[(test, qd)] = {e: med(sel(e, test, qd, key)) for e in BLK_ENVS if sel(e, test, qd, key)}
-        out.append(f"| {label(test, qd)} | {fig(h, digits, unit)} | {fig(f, digits, unit)} | "
-                   f"{fig(q, digits, unit)} | {ratio(f, q, per_round('ferrovm', 'qemu', test, qd, key))} | "
-                   f"{ratio(f, h, per_round('ferrovm', 'host', test, qd, key), 3)} | "
-                   f"{ratio(q, h, per_round('qemu', 'host', test, qd, key), 3)} |")
+        summary[(test, qd, nq)] = {e: med(x) for e, x in zip(BLK_ENVS, (h, f, q)) if x}
+        out.append(f"| {label(test, qd, nq)} | {fig(h, 0, unit)} | {fig(f, 0, unit)} | "
+                   f"{fig(q, 0, unit)} | {ratio(f, q, per_round('ferrovm', 'qemu', test, qd, nq, key))} | "
+                   f"{ratio(f, h, per_round('ferrovm', 'host', test, qd, nq, key), 3)} | "
+                   f"{ratio(q, h, per_round('qemu', 'host', test, qd, nq, key), 3)} |")
     out.append("")
     out.append(
         "Time per request: at depth 1 the latency of one request as the guest sees it "
@@ -640,39 +658,34 @@ def blk_section(res, docs, out):
         "guest's counts (MSI-X interrupts taken, doorbell writes), medians over the rounds:\n")
     out.append("| requests | host floor | ferrovm | QEMU microvm | ferrovm / QEMU | interrupts per request: ferrovm / QEMU | doorbells per request: ferrovm / QEMU |")
     out.append("| --- | --- | --- | --- | --- | --- | --- |")
-    for test, qd in BLK_TESTS:
-        d = seq_qd if qd is None else qd
-        lat = {e: [u * d for u in sel(e, test, qd, "us")] for e in BLK_ENVS}
+    for test, qd, nq in BLK_TESTS:
+        depth = (seq_qd if qd is None else qd) * nq
+        lat = {e: [u * depth for u in sel(e, test, qd, nq, "us")] for e in BLK_ENVS}
         if not (lat["ferrovm"] and lat["qemu"]):
             continue
-        per = []
-        for r in rounds:
-            x, y = sel("ferrovm", test, qd, "us", r), sel("qemu", test, qd, "us", r)
-            if x and y:
-                per.append(med(x) / med(y))
+        per = per_round("ferrovm", "qemu", test, qd, nq, "us")
 
         def rate(env, what):
-            xs = [x[what] / x["n"] for x in samples if x["env"] == env and x["test"] == test
-                  and x["qd"] == d and what in x and x["n"]]
+            xs = [x[what] / x["n"] for x in pick(env, test, qd, nq) if what in x and x["n"]]
             return f"{med(xs):.2f}" if xs else "—"
-        out.append(f"| {label(test, qd)} | {fig(lat['host'], 1, 'µs')} | {fig(lat['ferrovm'], 1, 'µs')} | "
+        out.append(f"| {label(test, qd, nq)} | {fig(lat['host'], 1, 'µs')} | {fig(lat['ferrovm'], 1, 'µs')} | "
                    f"{fig(lat['qemu'], 1, 'µs')} | {ratio(lat['ferrovm'], lat['qemu'], per)} | "
                    f"{rate('ferrovm', 'irqs')} / {rate('qemu', 'irqs')} | "
                    f"{rate('ferrovm', 'kicks')} / {rate('qemu', 'kicks')} |")
         if qd == 1:
-            summary[(test, qd)]["us"] = {e: med(lat[e]) for e in BLK_ENVS if lat[e]}
+            summary[(test, qd, nq)]["us"] = {e: med(lat[e]) for e in BLK_ENVS if lat[e]}
     out.append("")
     out.append(f"Measured {bk['measured']} (ferrovm {bk['ferrovm_commit']}; TSC "
                f"{res['machine']['tsc_hz'] / 1e6:.0f} MHz; {res['machine']['qemu']}).\n")
-    fig_, axes = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
-    rand = [(t, q) for t, q in BLK_TESTS if q is not None]
-    seq = [(t, q) for t, q in BLK_TESTS if q is None]
-    grouped_bars(axes[0], [f"{t} QD{q}" for t, q in rand],
-                 {e: [sel(e, t, q, "iops") for t, q in rand] for e in BLK_ENVS}, BLK_ENVS,
-                 "IOPS (log scale)", log=True, fmt="{:.0f}")
-    axes[0].set_title("4 KiB random requests", fontsize=10)
-    grouped_bars(axes[1], [f"{t} {args['seq_bs'] // 1024}K QD{seq_qd}" for t, _ in seq],
-                 {e: [sel(e, t, q, "mbps") for t, q in seq] for e in BLK_ENVS}, BLK_ENVS,
+    fig_, axes = plt.subplots(1, 2, figsize=(12.5, 4), gridspec_kw={"width_ratios": [2.4, 1]})
+    rand = [t for t in BLK_TESTS if t[1] is not None and sel("ferrovm", *t, "iops")]
+    seq = [t for t in BLK_TESTS if t[1] is None]
+    grouped_bars(axes[0], [f"{t}\nQD{q}" + (f"×{n}" if n > 1 else "") for t, q, n in rand],
+                 {e: [sel(e, *t, "iops") for t in rand] for e in BLK_ENVS}, BLK_ENVS,
+                 "IOPS (log scale)", log=True, fmt=lambda v: f"{v / 1000:.3g}k" if v >= 1000 else f"{v:.0f}")
+    axes[0].set_title("4 KiB random requests (QD32×2: two queues)", fontsize=10)
+    grouped_bars(axes[1], [f"{t} {args['seq_bs'] // 1024}K\nQD{seq_qd}" for t, _, _ in seq],
+                 {e: [sel(e, *t, "mbps") for t in seq] for e in BLK_ENVS}, BLK_ENVS,
                  "MB/s", fmt="{:.0f}")
     axes[1].set_title("sequential", fontsize=10)
     fig_.suptitle("virtio-blk, bench-blk guest, write-back cache (median, min–max)", fontsize=10)
@@ -755,8 +768,8 @@ def restore_rows(res, s_rest, rows):
                     f"{eager[0] / lazy[0]:.0f}×) | — | | < 50 ms (memory loaded lazily) |")
 
 def blk_rows(res, s_blk, rows):
-    r1, r32 = s_blk.get(("randread", 1)), s_blk.get(("randread", 32))
-    w1, w32 = s_blk.get(("randwrite", 1)), s_blk.get(("randwrite", 32))
+    r1, r32 = s_blk.get(("randread", 1, 1)), s_blk.get(("randread", 32, 1))
+    w1, w32 = s_blk.get(("randwrite", 1, 1)), s_blk.get(("randwrite", 32, 1))
     if r32 and w32:
         rows.append(f"| virtio-blk 4 KiB random IOPS at depth 32, read / write | "
                     f"{r32['ferrovm']:.0f} / {w32['ferrovm']:.0f} ({r32['ferrovm'] / r32['qemu']:.2f}× / "
@@ -768,7 +781,13 @@ def blk_rows(res, s_blk, rows):
                     f"({r1['us']['ferrovm'] / r1['us']['qemu']:.2f}× / {w1['us']['ferrovm'] / w1['us']['qemu']:.2f}× QEMU) | "
                     f"{r1['us']['qemu']:.0f} / {w1['us']['qemu']:.0f} µs | "
                     f"host {r1['us']['host']:.1f} / {w1['us']['host']:.1f} µs | within 10% of QEMU's |")
-    sr, sw = s_blk.get(("seqread", None)), s_blk.get(("seqwrite", None))
+    r2, w2 = s_blk.get(("randread", 32, 2)), s_blk.get(("randwrite", 32, 2))
+    if r2 and w2:
+        rows.append(f"| virtio-blk 4 KiB random IOPS, 2 queues × 32, read / write | "
+                    f"{r2['ferrovm']:.0f} / {w2['ferrovm']:.0f} ({r2['ferrovm'] / r2['qemu']:.2f}× / "
+                    f"{w2['ferrovm'] / w2['qemu']:.2f}× QEMU) | {r2['qemu']:.0f} / {w2['qemu']:.0f} | "
+                    f"host {r2['host']:.0f} / {w2['host']:.0f} | — |")
+    sr, sw = s_blk.get(("seqread", None, 1)), s_blk.get(("seqwrite", None, 1))
     if sr and sw:
         rows.append(f"| virtio-blk sequential read / write | {sr['ferrovm']:.0f} / {sw['ferrovm']:.0f} MB/s "
                     f"({sr['ferrovm'] / sr['qemu']:.2f}× / {sw['ferrovm'] / sw['qemu']:.2f}× QEMU) | "
