@@ -603,6 +603,7 @@ def blk_cmd(env, img, cfg, queues=1):
 
 def blk_run(env, img, cfg, queues, rnd, hz):
     sync_file(img)
+    load = os.getloadavg()[0]
     status, out, err = run_guest(blk_cmd(env, img, cfg, queues))
     ok = status == 0 if env == "host" else (status == 1 and "PASS" in out)
     if not ok:
@@ -616,6 +617,7 @@ def blk_run(env, img, cfg, queues, rnd, hz):
                   "us": s / int(n) * 1e6, "mbps": int(n) * int(bs) / s / 1e6}
         if irqs is not None:
             sample.update(irqs=int(irqs), kicks=int(kicks), waits=int(waits))
+        sample["loadavg"] = load  # this shared host's 1-minute load average before the run
         samples.append(sample)
     return samples
 

@@ -675,8 +675,13 @@ def blk_section(res, docs, out):
         if qd == 1:
             summary[(test, qd, nq)]["us"] = {e: med(lat[e]) for e in BLK_ENVS if lat[e]}
     out.append("")
+    loads = sorted({x["loadavg"] for x in samples if "loadavg" in x})
+    load_note = (f" The host's 1-minute load average before the runs was {med(loads):.1f} "
+                 f"[{loads[0]:.1f}–{loads[-1]:.1f}] on its {res['machine']['nproc']} CPUs (other work "
+                 "shares it): every thread competes for CPU time, which is what the wide ranges show."
+                 if loads else "")
     out.append(f"Measured {bk['measured']} (ferrovm {bk['ferrovm_commit']}; TSC "
-               f"{res['machine']['tsc_hz'] / 1e6:.0f} MHz; {res['machine']['qemu']}).\n")
+               f"{res['machine']['tsc_hz'] / 1e6:.0f} MHz; {res['machine']['qemu']}).{load_note}\n")
     fig_, axes = plt.subplots(1, 2, figsize=(12.5, 4), gridspec_kw={"width_ratios": [2.4, 1]})
     rand = [t for t in BLK_TESTS if t[1] is not None and sel("ferrovm", *t, "iops")]
     seq = [t for t in BLK_TESTS if t[1] is None]
