@@ -134,8 +134,9 @@ def machine_info():
 
 
 def commit():
-    return (sh(f"git -C {ROOT} rev-parse --short HEAD")
-            + (" (with uncommitted changes)" if sh(f"git -C {ROOT} status --porcelain") else ""))
+    # docs/ is report.py's output: changes there do not change what is measured.
+    dirty = sh(f"git -C {ROOT} status --porcelain -- . ':!docs'")
+    return sh(f"git -C {ROOT} rev-parse --short HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
 def tsc_hz():
