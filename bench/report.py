@@ -9,6 +9,7 @@ round by round (each round runs every VMM once) where rounds pair up.
 """
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -815,9 +816,10 @@ def old_page(path):
     """What the existing page shows, for sections the results do not hold (a rerun of some
     sections without the results.json of the run that measured the others): its numbered
     sections by heading number ("## 4. "), its machine block and its summary rows."""
-    page = {"sections": {}, "machine": [], "rows": []}
+    page = {"sections": {}, "machine": [], "rows": [], "rounds": {}}
     if not path.exists():
         return page
+    page["rounds"] = old_rounds(path.read_text())
     blocks, current = {}, None
     for line in path.read_text().splitlines():
         if line.startswith("## "):
@@ -837,8 +839,31 @@ def old_page(path):
     return page
 
 
-def rounds_phrases(res):
-    """How many rounds each section measured in this run ran."""
+ROUNDS_SUFFIX = {"startup": " for start-up", "exits": " for exits", "memory": " for memory",
+                 "workloads": " for the workloads", "restore": " for restore",
+                 "blk": " for virtio-blk"}
+
+
+def and_list(items):
+    return ", ".join(items[:-1]) + ", and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def old_rounds(text):
+    """The "Rounds here: ..." phrases of an existing page, by section key."""
+    m = re.search(r"Rounds here[^:]*: (.*?), to keep `make bench`", text)
+    found = {}
+    for phrase in (m.group(1).split(", ") if m else []):
+        phrase = phrase.removeprefix("and ")
+        if phrase.startswith("for migration"):
+            found["migration"] = phrase
+        for key, suffix in ROUNDS_SUFFIX.items():
+            if phrase.endswith(suffix):
+                found[key] = phrase
+    return found
+
+
+def rounds_phrases(res, kept=(), old=None):
+    """How many rounds each section ran: this run's, or the page's for kept sections."""
     c = res["config"]
     phrases = {
         "startup": lambda: f"{c['startup_rounds']} for start-up",
@@ -852,7 +877,9 @@ def rounds_phrases(res):
             + (f"idle {m['gib']} GiB" if m["guest"] == "migrate-idle" else f"dirtying {m['mib']} MiB")
             for m in c["migration_cases"]),
     }
-    return [phrase() for key, phrase in phrases.items() if key in res]
+    old = old or {}
+    return [phrase() if key in res else old[key] for key, phrase in phrases.items()
+            if key in res or (key in kept and key in old)]
 
 
 def main():
@@ -941,9 +968,8 @@ def main():
         "that way state their own date, commit and TSC rate.\n")
     tail.append(
         "Needs root (network namespaces and `tc` for the 1 Gbit/s link) and `/dev/kvm`. Every "
-        "sample is kept in `target/bench/results.json`. Rounds here"
-        + (" (sections measured in this run)" if kept else "") + ": "
-        + ", ".join(rounds_phrases(res)) + ", to keep `make bench` under 20 minutes on this "
+        "sample is kept in `target/bench/results.json`. Rounds here: "
+        + and_list(rounds_phrases(res, kept, old["rounds"])) + ", to keep `make bench` under 20 minutes on this "
         "2-CPU machine.\n")
     tail.append("## Files\n")
     tail.append(
