@@ -548,36 +548,45 @@ BLK_TESTS = [("randread", 1, 1), ("randread", 32, 1), ("randwrite", 1, 1), ("ran
 BLK_ENVS = ["host", "ferrovm", "qemu"]
 
 
-def blk_section(res, docs, out):
-    bk = res["blk"]
-    samples = bk["samples"]
-    args = bk["args"]
-    seq_qd = args["seq_qd"]
-    rounds = sorted({x["round"] for x in samples})
+class BlkSamples:
+    """The blk section's samples, selected by (env, test, in flight per queue, queues)."""
 
-    def pick(env, test, qd, nq, rnd=None):
-        qd = seq_qd if qd is None else qd
-        return [x for x in samples if x["env"] == env and x["test"] == test and x["qd"] == qd
+    def __init__(self, bk):
+        self.samples = bk["samples"]
+        self.seq_qd = bk["args"]["seq_qd"]
+        self.rounds = sorted({x["round"] for x in self.samples})
+
+    def pick(self, env, test, qd, nq, rnd=None):
+        qd = self.seq_qd if qd is None else qd
+        return [x for x in self.samples if x["env"] == env and x["test"] == test and x["qd"] == qd
                 and x.get("queues", 1) == nq and (rnd is None or x["round"] == rnd)]
 
-    def sel(env, test, qd, nq, key, rnd=None):
-        return [x[key] for x in pick(env, test, qd, nq, rnd)]
+    def sel(self, env, test, qd, nq, key, rnd=None):
+        return [x[key] for x in self.pick(env, test, qd, nq, rnd)]
 
-    def per_round(a, b, test, qd, nq, key):
+    def per_round(self, a, b, test, qd, nq, key):
+        """Ratio a / b of the medians of each round."""
         xs = []
-        for r in rounds:
-            x, y = sel(a, test, qd, nq, key, r), sel(b, test, qd, nq, key, r)
+        for r in self.rounds:
+            x, y = self.sel(a, test, qd, nq, key, r), self.sel(b, test, qd, nq, key, r)
             if x and y:
                 xs.append(med(x) / med(y))
         return xs
 
-    def label(test, qd, nq):
-        if qd is None:
-            return f"{test} {args['seq_bs'] // 1024} KiB, depth {seq_qd}"
-        if nq > 1:
-            return f"{test} 4 KiB, {nq} queues × {qd}"
-        return f"{test} 4 KiB, depth {qd}"
 
+def blk_label(args, test, qd, nq):
+    if qd is None:
+        return f"{test} {args['seq_bs'] // 1024} KiB, depth {args['seq_qd']}"
+    if nq > 1:
+        return f"{test} 4 KiB, {nq} queues × {qd}"
+    return f"{test} 4 KiB, depth {qd}"
+
+
+def blk_intro(bk, out):
+    """What section 7 measures, and how."""
+    args = bk["args"]
+    seq_qd = args["seq_qd"]
+    rounds = sorted({x["round"] for x in bk["samples"]})
     out.append("## 7. virtio-blk: 4 KiB random IOPS, sequential MB/s\n")
     out.append(
         "`bench-blk` (`guests/bench-blk.c`) drives the disk with the guest kit's virtio driver "
@@ -636,6 +645,40 @@ def blk_section(res, docs, out):
         "MB/s (10^6 bytes) for sequential ones, median [min–max]; ratios of medians with "
         "[min–max] of the per-round ratios; above 1 means more throughput than the "
         "denominator.\n")
+
+
+def blk_plot(docs, bs, args, out):
+    seq_qd = args["seq_qd"]
+    sel = bs.sel
+    fig_, axes = plt.subplots(1, 2, figsize=(12.5, 4), gridspec_kw={"width_ratios": [2.4, 1]})
+    rand = [t for t in BLK_TESTS if t[1] is not None and sel("ferrovm", *t, "iops")]
+    seq = [t for t in BLK_TESTS if t[1] is None]
+    grouped_bars(axes[0], [f"{t}\nQD{q}" + (f"×{n}" if n > 1 else "") for t, q, n in rand],
+                 {e: [sel(e, *t, "iops") for t in rand] for e in BLK_ENVS}, BLK_ENVS,
+                 "IOPS (log scale)", log=True, fmt=lambda v: f"{v / 1000:.3g}k" if v >= 1000 else f"{v:.0f}")
+    axes[0].set_title("4 KiB random requests (QD32×2: two queues)", fontsize=10)
+    grouped_bars(axes[1], [f"{t} {args['seq_bs'] // 1024}K\nQD{seq_qd}" for t, _, _ in seq],
+                 {e: [sel(e, *t, "mbps") for t in seq] for e in BLK_ENVS}, BLK_ENVS,
+                 "MB/s", fmt="{:.0f}")
+    axes[1].set_title("sequential", fontsize=10)
+    fig_.suptitle("virtio-blk, bench-blk guest, write-back cache (median, min–max)", fontsize=10)
+    fig_.tight_layout()
+    fig_.savefig(docs / "bench-blk.png", dpi=110)
+    plt.close(fig_)
+    out.append("![virtio-blk](bench-blk.png)\n")
+
+
+def blk_section(res, docs, out):
+    bk = res["blk"]
+    args = bk["args"]
+    bs = BlkSamples(bk)
+    samples, sel, pick, per_round = bs.samples, bs.sel, bs.pick, bs.per_round
+    seq_qd = args["seq_qd"]
+
+    def label(test, qd, nq):
+        return blk_label(args, test, qd, nq)
+
+    blk_intro(bk, out)
     out.append("| requests | host floor | ferrovm | QEMU microvm | ferrovm / QEMU | ferrovm ÷ floor | QEMU ÷ floor |")
     out.append("| --- | --- | --- | --- | --- | --- | --- |")
     summary = {}
@@ -676,29 +719,15 @@ def blk_section(res, docs, out):
         if qd == 1:
             summary[(test, qd, nq)]["us"] = {e: med(lat[e]) for e in BLK_ENVS if lat[e]}
     out.append("")
-    loads = sorted({x["loadavg"] for x in samples if "loadavg" in x})
+    loads = sorted({(x["env"], x["round"], x.get("queues", 1)): x["loadavg"]  # one per run
+                    for x in samples if "loadavg" in x}.values())
     load_note = (f" The host's 1-minute load average before the runs was {med(loads):.1f} "
                  f"[{loads[0]:.1f}–{loads[-1]:.1f}] on its {res['machine']['nproc']} CPUs (other work "
                  "shares it): every thread competes for CPU time, which is what the wide ranges show."
                  if loads else "")
     out.append(f"Measured {bk['measured']} (ferrovm {bk['ferrovm_commit']}; TSC "
                f"{res['machine']['tsc_hz'] / 1e6:.0f} MHz; {res['machine']['qemu']}).{load_note}\n")
-    fig_, axes = plt.subplots(1, 2, figsize=(12.5, 4), gridspec_kw={"width_ratios": [2.4, 1]})
-    rand = [t for t in BLK_TESTS if t[1] is not None and sel("ferrovm", *t, "iops")]
-    seq = [t for t in BLK_TESTS if t[1] is None]
-    grouped_bars(axes[0], [f"{t}\nQD{q}" + (f"×{n}" if n > 1 else "") for t, q, n in rand],
-                 {e: [sel(e, *t, "iops") for t in rand] for e in BLK_ENVS}, BLK_ENVS,
-                 "IOPS (log scale)", log=True, fmt=lambda v: f"{v / 1000:.3g}k" if v >= 1000 else f"{v:.0f}")
-    axes[0].set_title("4 KiB random requests (QD32×2: two queues)", fontsize=10)
-    grouped_bars(axes[1], [f"{t} {args['seq_bs'] // 1024}K\nQD{seq_qd}" for t, _, _ in seq],
-                 {e: [sel(e, *t, "mbps") for t in seq] for e in BLK_ENVS}, BLK_ENVS,
-                 "MB/s", fmt="{:.0f}")
-    axes[1].set_title("sequential", fontsize=10)
-    fig_.suptitle("virtio-blk, bench-blk guest, write-back cache (median, min–max)", fontsize=10)
-    fig_.tight_layout()
-    fig_.savefig(docs / "bench-blk.png", dpi=110)
-    plt.close(fig_)
-    out.append("![virtio-blk](bench-blk.png)\n")
+    blk_plot(docs, bs, args, out)
     return summary
 
 
