@@ -581,9 +581,9 @@ def blk_args(cfg, queues=1):
 def blk_cmd(env, img, cfg, queues=1):
     args = " ".join(f"{k}={v}" for k, v in blk_args(cfg, queues).items())
     guest_args = args + (f" wait={cfg['blk_wait']}" if cfg["blk_wait"] else "")
-    # Two queues need two vCPUs in ferrovm (a disk gets at most one queue per vCPU); QEMU
-    # gets the same. The guest drives both queues from its first vCPU; the second stays
-    # in its wait for start-up.
+    # The two-queue runs have two vCPUs under both VMMs, as the recorded runs had them. The
+    # guest drives both queues from its first vCPU; the second stays in its wait for
+    # start-up.
     cpus = str(queues)
     if env == "ferrovm":
         return ferrovm_cmd(guest("bench-blk"), guest_args, 256,

@@ -631,8 +631,8 @@ def blk_intro(bk, out):
             "The two-queue rows come from a second run per round and VMM, on the region the "
             "first one wrote: `queues=2` (VIRTIO_BLK_F_MQ), 32 requests in flight on each of two "
             "queues, both driven by the guest's first vCPU, whose wait arms both queues' "
-            "interrupts and ends with either. ferrovm gives a disk at most one queue per vCPU, "
-            "so both VMMs get two vCPUs (the second is never started) and a two-queue device: "
+            "interrupts and ends with either. Both VMMs get two vCPUs (the second is never "
+            "started, as the recorded runs had them) and a two-queue device: "
             "ferrovm serves each queue on its own I/O thread, QEMU both on its main loop with "
             "its thread pool; the floor runs 64 threads.\n")
         out.append("```")
