@@ -52,9 +52,10 @@ pub struct MigrateRequest {
     pub warm: bool,
 }
 
+/// One control request, as [`parse_request`] reads it.
 #[derive(Debug, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
-enum Request {
+pub enum Request {
     Status,
     Pause,
     Resume {
@@ -68,6 +69,11 @@ enum Request {
     },
     Migrate(MigrateRequest),
     MigrateCancel,
+}
+
+/// Parses one request line (untrusted bytes from the socket; no I/O, so it can be fuzzed).
+pub fn parse_request(line: &[u8]) -> Result<Request> {
+    serde_json::from_slice(line).map_err(|e| Error::Control(format!("bad request: {e}")))
 }
 
 /// What the API reports about the machine.
@@ -124,9 +130,9 @@ impl Api {
     /// Serves one request: the reply, and the exit to request once the reply has been
     /// written (so that the client hears about it before the process ends).
     fn handle(&self, line: &str, stream: &mut UnixStream) -> (Value, Option<ExitReason>) {
-        let request: Request = match serde_json::from_str(line) {
+        let request = match parse_request(line.as_bytes()) {
             Ok(r) => r,
-            Err(e) => return (error_reply(&format!("bad request: {e}")), None),
+            Err(e) => return (error_reply(&e.to_string()), None),
         };
         let mut then_exit = None;
         let sup = &self.supervisor;
