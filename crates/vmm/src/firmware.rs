@@ -85,7 +85,16 @@ impl Rom {
             value: path.display().to_string(),
             reason,
         };
-        let mut file = File::open(path).map_err(|e| refuse(format!("cannot open: {e}")))?;
+        let mut file = File::open(path).map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::NotFound
+                && path == Path::new(crate::config::DEFAULT_FIRMWARE)
+            {
+                " (the default firmware: install Debian's seabios package, or give --firmware)"
+            } else {
+                ""
+            };
+            refuse(format!("cannot open: {e}{hint}"))
+        })?;
         let meta = file
             .metadata()
             .map_err(|e| refuse(format!("cannot read: {e}")))?;
