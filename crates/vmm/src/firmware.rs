@@ -25,7 +25,11 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use devices::bus::{Bus, BusError};
+use devices::debugcon::DebugCon;
+use devices::exit::ExitRequest;
 use devices::fw_cfg::FwCfg;
+use devices::port92::Port92;
 
 use hypervisor::{MemoryRegion, SegmentRegister, StandardRegisters, Vcpu, Vm};
 use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
@@ -214,39 +218,8 @@ pub fn map_memory(
     guest_memory: &GuestMemory,
     rom: &Rom,
 ) -> Result<(Vec<MemoryRegion>, FirmwareMemory)> {
-    let mut slots = Vec::new();
-    let mut blocks = Vec::new();
-    for region in guest_memory.iter() {
-        let host = region
-            .get_host_address(MemoryRegionAddress(0))
-            .map_err(|e| Error::Memory(e.to_string()))? as u64;
-        let (start, end) = (region.start_addr().0, region.start_addr().0 + region.len());
-        let mut cuts = vec![start];
-        if start < SHADOW_START && end >= SHADOW_END {
-            cuts.extend((0..PAM_BLOCKS).map(|i| pam_block(i).0));
-            cuts.push(SHADOW_END);
-        }
-        cuts.push(end);
-        cuts.dedup();
-        for w in cuts.windows(2) {
-            let pam = (SHADOW_START..SHADOW_END).contains(&w[0]);
-            let slot = MemoryRegion {
-                slot: slots.len() as u32,
-                guest_addr: w[0],
-                size: w[1] - w[0],
-                host_addr: host + (w[0] - start),
-                readonly: pam,
-                log_dirty: false,
-            };
-            // SAFETY: the range lies inside `region`, which the machine keeps mapped for as
-            // long as the VM exists.
-            unsafe { vm.map_memory(&slot)? };
-            if pam {
-                blocks.push(slot);
-            }
-            slots.push(slot);
-        }
-    }
+    let slots = map_ram_slots(vm, guest_memory)?;
+    let blocks: Vec<MemoryRegion> = slots.iter().filter(|s| s.readonly).copied().collect();
     if blocks.len() != PAM_BLOCKS {
         return Err(Error::Memory(
             "a firmware boot needs guest RAM up to 1 MiB at least".into(),
@@ -277,14 +250,69 @@ pub fn map_memory(
         vm: vm.clone(),
         blocks,
     });
-    Ok((
-        slots,
-        FirmwareMemory {
-            _rom_mapping: rom_mapping,
-            rom_slot,
-            shadow,
-        },
-    ))
+    let fw = FirmwareMemory {
+        _rom_mapping: rom_mapping,
+        rom_slot,
+        shadow,
+    };
+    Ok((slots, fw))
+}
+
+/// [`map_memory`], with guest RAM's regions as snapshots and migration see them: returns
+/// (regions, slots, the firmware's memory).
+pub fn map_guest_memory(
+    vm: &Arc<dyn Vm>,
+    guest_memory: &GuestMemory,
+    rom: &Rom,
+) -> Result<(Vec<MemoryRegion>, Vec<MemoryRegion>, Option<FirmwareMemory>)> {
+    let (slots, fw) = map_memory(vm, guest_memory, rom)?;
+    let regions = ram_regions(guest_memory, &slots)?;
+    Ok((regions, slots, Some(fw)))
+}
+
+/// The legacy devices BIOS code and boot loaders use besides a direct boot's: port 0x92
+/// (fast A20 and reset) and the firmware's debug console at 0x402 (not saved: no state).
+pub fn add_legacy_devices(
+    pio: &mut Bus,
+    exit: &Arc<ExitRequest>,
+) -> std::result::Result<Vec<SharedDevice>, BusError> {
+    let port92 = Port92::new(exit.clone()).register(pio)?;
+    DebugCon::default().register(pio)?;
+    Ok(vec![port92])
+}
+
+/// Registers guest RAM as memory slots in address order, the region holding the BIOS area
+/// cut at the PAM blocks (which start read-only, as after reset).
+fn map_ram_slots(vm: &Arc<dyn Vm>, guest_memory: &GuestMemory) -> Result<Vec<MemoryRegion>> {
+    let mut slots = Vec::new();
+    for region in guest_memory.iter() {
+        let host = region
+            .get_host_address(MemoryRegionAddress(0))
+            .map_err(|e| Error::Memory(e.to_string()))? as u64;
+        let (start, end) = (region.start_addr().0, region.start_addr().0 + region.len());
+        let mut cuts = vec![start];
+        if start < SHADOW_START && end >= SHADOW_END {
+            cuts.extend((0..PAM_BLOCKS).map(|i| pam_block(i).0));
+            cuts.push(SHADOW_END);
+        }
+        cuts.push(end);
+        cuts.dedup();
+        for w in cuts.windows(2) {
+            let slot = MemoryRegion {
+                slot: slots.len() as u32,
+                guest_addr: w[0],
+                size: w[1] - w[0],
+                host_addr: host + (w[0] - start),
+                readonly: (SHADOW_START..SHADOW_END).contains(&w[0]),
+                log_dirty: false,
+            };
+            // SAFETY: the range lies inside `region`, which the machine keeps mapped for as
+            // long as the VM exists.
+            unsafe { vm.map_memory(&slot)? };
+            slots.push(slot);
+        }
+    }
+    Ok(slots)
 }
 
 /// Guest RAM's regions as snapshots and migration lay RAM out (one per region of
@@ -420,18 +448,27 @@ pub fn add_piix(pci: &PciHandles) -> Result<Vec<SharedDevice>> {
     Ok(vec![isa, pm])
 }
 
+/// What [`attach`] connects the firmware to.
+pub struct MachineParts<'a> {
+    pub pci: &'a PciHandles,
+    pub fw_cfg: &'a Mutex<FwCfg>,
+    /// The virtio functions, the disks first and in `--disk` order.
+    pub virtio: &'a [SharedDevice],
+    /// The accelerator's own ACPI PM timer port, if it has one (bhyve).
+    pub kernel_pm_timer: Option<u16>,
+}
+
 /// Connects the firmware to the machine: the host bridge's PAM registers drive the shadow
 /// RAM, and fw_cfg gets the files the firmware reads (memory map, console, boot order from
-/// the disks' PCI functions `disk_ids` in `config.boot_order`, ACPI tables).
-pub fn attach(
-    fw: &FirmwareMemory,
-    pci: &PciHandles,
-    fw_cfg: &Mutex<FwCfg>,
-    config: &VmConfig,
-    disk_ids: &[String],
-    acpi: &boot::acpi::AcpiTables,
-) -> Result<()> {
-    lock(&pci.host_bridge).set_pam_listener(fw.shadow.clone());
+/// the disks' PCI functions in `config.boot_order`, ACPI tables).
+pub fn attach(fw: &FirmwareMemory, config: &VmConfig, machine: &MachineParts) -> Result<()> {
+    lock(&machine.pci.host_bridge).set_pam_listener(fw.shadow.clone());
+    let disk_ids: Vec<String> = machine
+        .virtio
+        .iter()
+        .take(config.disks.len())
+        .map(|f| lock(f).id())
+        .collect();
     let boot_paths = config
         .boot_order
         .iter()
@@ -442,8 +479,17 @@ pub fn attach(
                 .ok_or_else(|| Error::Devices(format!("--boot: disk{i} is not on the PCI bus")))
         })
         .collect::<Result<Vec<_>>>()?;
-    let acpi_files = boot::table_loader::firmware_acpi_files(acpi).into_files();
-    let mut fw_cfg = lock(fw_cfg);
+    let pm_timer = machine.kernel_pm_timer.unwrap_or(boot::acpi::PM_TMR_BLK);
+    // The root bridge's 32-bit window as the bus decodes it on a firmware machine.
+    let acpi = boot::acpi::AcpiTables::with_mmio32_end(
+        config.cpus,
+        config.memory,
+        pm_timer,
+        boot::layout::IOAPIC_START,
+    )
+    .map_err(|e| Error::Firmware(e.to_string()))?;
+    let acpi_files = boot::table_loader::firmware_acpi_files(&acpi).into_files();
+    let mut fw_cfg = lock(machine.fw_cfg);
     for (name, data) in fw_cfg_files(config.memory, &boot_paths)
         .into_iter()
         .chain(acpi_files)

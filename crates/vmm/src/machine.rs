@@ -14,7 +14,6 @@ use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
 use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
 use devices::pit::Pit;
-use devices::port92::Port92;
 use devices::rtc::Rtc;
 use devices::serial::{SerialDevice, SerialOutput as SerialSink};
 use hypervisor::{
@@ -178,11 +177,7 @@ impl Machine {
         // KVM_CREATE_IRQCHIP costs milliseconds more (measured: 5–7 ms against 0.2 ms).
         let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
         let (regions, slots, firmware_memory) = match &rom {
-            Some(rom) => {
-                let (slots, fw) = firmware::map_memory(&vm, &guest_memory, rom)?;
-                let regions = firmware::ram_regions(&guest_memory, &slots)?;
-                (regions, slots, Some(fw))
-            }
+            Some(rom) => firmware::map_guest_memory(&vm, &guest_memory, rom)?,
             None => {
                 let regions = memory::map_into_vm(&vm, &guest_memory)?;
                 (regions.clone(), regions, None)
@@ -254,27 +249,13 @@ impl Machine {
             },
         )?;
         if let Some(fw) = &firmware_memory {
-            let disk_ids: Vec<String> = functions
-                .iter()
-                .take(config.disks.len())
-                .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()).id())
-                .collect();
-            let pm_timer = caps.pm_timer_port.unwrap_or(boot::acpi::PM_TMR_BLK);
-            let acpi = boot::acpi::AcpiTables::with_mmio32_end(
-                config.cpus,
-                config.memory,
-                pm_timer,
-                boot::layout::IOAPIC_START,
-            )
-            .map_err(|e| Error::Firmware(e.to_string()))?;
-            firmware::attach(
-                fw,
-                &platform.pci,
-                &platform.fw_cfg,
-                config,
-                &disk_ids,
-                &acpi,
-            )?;
+            let machine = firmware::MachineParts {
+                pci: &platform.pci,
+                fw_cfg: &platform.fw_cfg,
+                virtio: &functions,
+                kernel_pm_timer: caps.pm_timer_port,
+            };
+            firmware::attach(fw, config, &machine)?;
         }
         let serial_output = platform.serial_output.clone();
         let device_list = platform.into_list(piix.into_iter().chain(functions).collect())?;
@@ -791,14 +772,7 @@ fn build_buses(
     }));
     let mut legacy: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
     if config.firmware.is_some() {
-        // Fast A20 and reset: BIOS code and boot loaders use it.
-        let port92 = Port92::new(exit.clone())
-            .register(&mut pio)
-            .map_err(devices_err)?;
-        legacy.push(port92);
-        devices::debugcon::DebugCon::default()
-            .register(&mut pio)
-            .map_err(devices_err)?;
+        legacy.extend(firmware::add_legacy_devices(&mut pio, exit).map_err(devices_err)?);
     }
     legacy.extend(pit.iter().map(|d| d.clone() as SharedDevice));
     legacy.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
