@@ -556,7 +556,8 @@ impl SnapshotImage {
             .images
             .get(region)
             .ok_or_else(|| Error::Param(format!("no RAM region {region} in the snapshot")))?;
-        if buf.len() % PAGE_USIZE != 0 || first.saturating_add(n) > image.size / PAGE_SIZE {
+        if !buf.len().is_multiple_of(PAGE_USIZE) || first.saturating_add(n) > image.size / PAGE_SIZE
+        {
             return Err(Error::Param(format!(
                 "pages {first}..+{n} are not inside the RAM region at {:#x}",
                 image.guest_addr
