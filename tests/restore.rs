@@ -265,7 +265,7 @@ fn a_good_snapshot_restores_and_the_file_can_go_once_loaded() {
         "the prefetch did not complete:\n{stderr}"
     );
     assert!(!out.contains("FAIL") && !out.contains(" holds "), "{out}");
-    let first = out.lines().find_map(|l| last_tick(l)).unwrap();
+    let first = out.lines().find_map(last_tick).unwrap();
     assert!(
         first > tick,
         "restored at tick {first}, snapshot after tick {tick}"
