@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -28,11 +27,12 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// A ferrovm process with its serial output in a file.
+/// A ferrovm process with its serial output and its stderr in files.
 struct Vm {
     child: Child,
     serial: PathBuf,
     socket: PathBuf,
+    stderr: PathBuf,
 }
 
 impl Vm {
@@ -40,6 +40,7 @@ impl Vm {
         require_kvm();
         let serial = dir.join(format!("{name}.serial"));
         let socket = dir.join(format!("{name}.sock"));
+        let stderr = dir.join(format!("{name}.stderr"));
         let child = Command::new(FERROVM)
             .arg("run")
             .args(args)
@@ -50,13 +51,14 @@ impl Vm {
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
             .spawn()
             .expect("start ferrovm");
         let mut vm = Vm {
             child,
             serial,
             socket,
+            stderr,
         };
         // A restore that fails at once may end before it ever serves the API.
         wait_until(
@@ -69,6 +71,10 @@ impl Vm {
 
     fn output(&self) -> String {
         std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
     }
 
     fn ctl(&self, args: &[&str]) -> Run {
@@ -84,11 +90,7 @@ impl Vm {
         let start = Instant::now();
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                let mut err = String::new();
-                if let Some(mut e) = self.child.stderr.take() {
-                    let _ = e.read_to_string(&mut err);
-                }
-                return (status.code(), err);
+                return (status.code(), self.stderr());
             }
             assert!(
                 start.elapsed() < limit,
@@ -240,29 +242,29 @@ fn a_flipped_byte_stops_the_guest_before_it_reads_the_page() {
 #[test]
 fn a_good_snapshot_restores_and_the_file_can_go_once_loaded() {
     let dir = scratch("good");
-    let (snap, tick) = snapshot_of_idle_guest(&dir, "good", "verify=all tick_ms=200 ticks=14");
+    let (snap, tick) = snapshot_of_idle_guest(&dir, "good", "verify=all tick_ms=200 ticks=20");
     let mut vm = Vm::start(
         &["--restore", snap.to_str().unwrap()],
         &dir,
         "restored",
         &[("FERROVM_LOG", "info")],
     );
-    // The pager's last word once every page is in; stderr is read at the end, so wait for a
-    // few ticks (the prefetch of 32 MiB takes well under a second).
+    // The pager's last word once every page is in.
     wait_until(
         Duration::from_secs(60),
-        || last_tick(&vm.output()) >= Some(tick + 3),
-        "ticks of the restored guest",
+        || vm.stderr().contains("the guest no longer needs the file"),
+        "the end of the prefetch",
     );
     let f = std::fs::OpenOptions::new().write(true).open(&snap).unwrap();
     f.set_len(0).unwrap();
     std::fs::remove_file(&snap).unwrap();
+    let gone_at = last_tick(&vm.output());
     let (status, stderr) = vm.wait(Duration::from_secs(60));
     let out = vm.output();
     assert_eq!(status, Some(1), "{stderr}\n{out}");
     assert!(
-        stderr.contains("the guest no longer needs the file"),
-        "the prefetch did not complete:\n{stderr}"
+        last_tick(&out) > gone_at,
+        "no tick after the file went:\n{out}"
     );
     assert!(!out.contains("FAIL") && !out.contains(" holds "), "{out}");
     let first = out.lines().find_map(last_tick).unwrap();
@@ -351,7 +353,8 @@ fn snapshot_pages(run: &Run) -> u64 {
 /// A guest restored with pages brought in only by faults is snapshotted at once (the
 /// snapshot's reads of guest memory are served by the pager, verified) and migrated; the
 /// second snapshot and the migration's destination both hold every page, which the guest
-/// verifies.
+/// verifies. The restored guests are paused first, so that none reaches its last tick
+/// before the snapshot or the migration is done, however slow the host.
 #[test]
 fn a_restored_guest_can_be_snapshotted_and_migrated_again() {
     let dir = scratch("again");
@@ -364,6 +367,7 @@ fn a_restored_guest_can_be_snapshotted_and_migrated_again() {
         "lazy",
         &on_demand,
     );
+    lazy.ctl(&["pause"]).expect_status(0);
     let second = dir.join("second.snap");
     let run = lazy.ctl(&["--json", "snapshot", second.to_str().unwrap()]);
     run.expect_status(0);
@@ -392,14 +396,17 @@ fn a_restored_guest_can_be_snapshotted_and_migrated_again() {
         "lazy2",
         &on_demand,
     );
+    lazy.ctl(&["pause"]).expect_status(0);
     let run = lazy.ctl(&["--json", "migrate", &listen]);
-    run.expect_status(0);
     let (status, stderr) = lazy.wait(Duration::from_secs(60));
+    assert_eq!(run.status, Some(0), "{}\nsource: {stderr}", run.stderr);
     assert_eq!(
         status,
         Some(0),
         "the source exits once the destination runs: {stderr}"
     );
+    // The guest arrives paused, as it left.
+    dest.ctl(&["resume"]).expect_status(0);
     let (status, stderr) = dest.wait(Duration::from_secs(120));
     let out = dest.output();
     assert_eq!(status, Some(1), "{stderr}\n{out}");
@@ -408,5 +415,41 @@ fn a_restored_guest_can_be_snapshotted_and_migrated_again() {
             && out.trim_end().ends_with("PASS"),
         "{out}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Without a userfaultfd (`FERROVM_USERFAULTFD=off` stands in for a kernel that refuses
+/// one), the restore says so and checks all page data before the guest runs: a damaged page
+/// is refused before the guest ever ran, and a good snapshot runs on.
+#[test]
+fn without_userfaultfd_everything_is_checked_first() {
+    let dir = scratch("fallback");
+    let (good, tick) = snapshot_of_idle_guest(&dir, "good", "verify=all tick_ms=200 ticks=6");
+    let off = [("FERROVM_USERFAULTFD", "off")];
+    let mut vm = Vm::start(&["--restore", good.to_str().unwrap()], &dir, "good", &off);
+    let (status, stderr) = vm.wait(Duration::from_secs(60));
+    let out = vm.output();
+    assert_eq!(status, Some(1), "{stderr}\n{out}");
+    assert!(
+        stderr.contains("userfaultfd is not available") && stderr.contains("FERROVM_USERFAULTFD"),
+        "{stderr}"
+    );
+    assert!(
+        last_tick(&out) > Some(tick) && out.trim_end().ends_with("PASS"),
+        "{out}"
+    );
+
+    let bad = dir.join("bad.snap");
+    std::fs::copy(&good, &bad).unwrap();
+    flip_bytes(&bad, [page_offset(&bad, REGION_BASE + 4096) + 9]);
+    let mut vm = Vm::start(&["--restore", bad.to_str().unwrap()], &dir, "bad", &off);
+    let (status, stderr) = vm.wait(Duration::from_secs(60));
+    assert_eq!(status, Some(2), "{stderr}");
+    let line = stderr.lines().last().unwrap_or_default();
+    assert!(
+        line.contains(&bad.display().to_string()) && line.contains("guest page 0x1001000"),
+        "{stderr}"
+    );
+    assert!(vm.output().trim().is_empty(), "{}", vm.output());
     let _ = std::fs::remove_dir_all(&dir);
 }
