@@ -105,11 +105,6 @@ impl Status {
         })
     }
 
-    fn set(&self, check: Check) {
-        *lock(&self.check) = check;
-        self.changed.notify_all();
-    }
-
     /// Records the first failure and stops the VM. Recorded before the exit request, so
     /// the main loop finds the cause.
     fn fail(&self, reason: String) {
@@ -129,11 +124,18 @@ impl Status {
         matches!(*lock(&self.check), Check::Failed(_))
     }
 
-    fn loaded(&self, summary: String) {
-        if !self.failed() {
-            log::info!("snapshot {}: {summary}", self.path.display());
-            self.set(Check::Loaded);
+    /// Records that every data page is in, unless a page failed; true if recorded.
+    fn loaded(&self, summary: String) -> bool {
+        {
+            let mut check = lock(&self.check);
+            if matches!(*check, Check::Failed(_)) {
+                return false;
+            }
+            *check = Check::Loaded;
         }
+        self.changed.notify_all();
+        log::info!("snapshot {}: {summary}", self.path.display());
+        true
     }
 
     fn prefetch_stopped(&self) {

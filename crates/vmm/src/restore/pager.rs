@@ -6,16 +6,15 @@
 //! ([`SnapshotImage::read_verified`]); pages the snapshot holds no data for are installed as
 //! zero, whatever the file stores there.
 //!
-//! Two threads share the work and never touch guest memory themselves (a fault of their own
-//! on registered memory would wait for themselves): `snapshot-faults` serves faults, each
-//! with the data pages of the 64 KiB block around the faulting page (up to 1 MiB ahead for
-//! faults in order), and `snapshot-prefetch`
-//! installs every remaining data page in file order, so that the guest stops depending on
-//! the file. A page is installed by whichever thread claims it first (an atomic bit per
-//! page); a thread faulting on a page the other one has claimed is woken by that thread's
-//! `UFFDIO_COPY`. Once every data page is in, the userfaultfd is closed: the registration
-//! ends, the remaining (zero) pages are ordinary anonymous memory again, and the file is
-//! closed.
+//! The pager's threads share the work and never touch guest memory themselves (a fault of
+//! their own on registered memory would wait for themselves): `snapshot-faults` serves
+//! faults, each with the data pages of the 64 KiB block around the faulting page (up to
+//! 1 MiB ahead for faults in order), and the `snapshot-prefetch-N` workers install every
+//! remaining data page in file order, so that the guest stops depending on the file. A page
+//! is installed by whichever thread claims it first (an atomic bit per page); a thread
+//! faulting on a page another one has claimed is woken by that thread's `UFFDIO_COPY`. Once
+//! every data page is in, the userfaultfd is closed: the registration ends, the remaining
+//! (zero) pages are ordinary anonymous memory again, and the file is closed.
 //!
 //! A bad page (CRC mismatch, a page past the end of a truncated file, a read error) is
 //! never installed: the pager records the failure, which stops the VM, and keeps the
@@ -40,9 +39,11 @@ use crate::memory::GuestMemory;
 const FAULT_BLOCK: u64 = 16;
 /// The most pages one fault brings in (1 MiB), for a guest reading its memory in order.
 const MAX_FAULT_PAGES: u64 = 256;
-/// Pages read and installed per prefetch step (256 KiB): short, so that a fault on a page
+/// Pages read and installed per prefetch step (1 MiB): short, so that a fault on a page
 /// the prefetcher has claimed waits little.
 const PREFETCH_CHUNK: u64 = 256;
+/// Prefetch workers at most.
+const MAX_PREFETCH_WORKERS: usize = 2;
 const PAGE: usize = PAGE_SIZE as usize;
 /// A zero page for write faults on pages without data (a copy saves the guest the second,
 /// copy-on-write fault a mapped zero page would take).
@@ -81,7 +82,7 @@ pub struct Pager {
 /// The handle the VMM keeps: stops the prefetcher.
 pub struct PagerThreads {
     stop: Arc<AtomicBool>,
-    prefetch: Option<std::thread::JoinHandle<()>>,
+    prefetch: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl PagerThreads {
@@ -90,7 +91,7 @@ impl PagerThreads {
     /// reads it while the VMM ends.
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.prefetch.take() {
+        for t in self.prefetch.drain(..) {
             let _ = t.join();
         }
     }
@@ -176,7 +177,9 @@ impl Pager {
         })
     }
 
-    /// Starts the fault thread and, unless `prefetch` is false, the prefetcher.
+    /// Starts the fault thread and, unless `prefetch` is false, the prefetcher: one worker
+    /// per host CPU, at most [`MAX_PREFETCH_WORKERS`] (while the guest waits for its memory,
+    /// copying it in is all there is to do).
     pub fn start(self, status: &Arc<Status>, prefetch: bool) -> io::Result<PagerThreads> {
         let pager = Arc::new(self);
         let stop = Arc::new(AtomicBool::new(false));
@@ -184,17 +187,35 @@ impl Pager {
         std::thread::Builder::new()
             .name("snapshot-faults".into())
             .spawn(move || serve_faults(p, &s))?;
-        let prefetch = if prefetch {
-            let (p, s, halt) = (pager, status.clone(), stop.clone());
-            Some(
-                std::thread::Builder::new()
-                    .name("snapshot-prefetch".into())
-                    .spawn(move || prefetch_all(p, &s, &halt))?,
-            )
+        let workers = if prefetch {
+            std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_PREFETCH_WORKERS))
         } else {
-            None
+            0
         };
-        Ok(PagerThreads { stop, prefetch })
+        let shared = Arc::new(Prefetch {
+            stop: stop.clone(),
+            workers,
+            finished: AtomicU64::new(0),
+            started: Instant::now(),
+        });
+        let mut threads = PagerThreads {
+            stop,
+            prefetch: Vec::new(),
+        };
+        for index in 0..workers {
+            let (p, s, shared) = (pager.clone(), status.clone(), shared.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("snapshot-prefetch-{index}"))
+                .spawn(move || prefetch_all(p, &s, &shared, index));
+            match spawned {
+                Ok(t) => threads.prefetch.push(t),
+                Err(e) => {
+                    threads.stop();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(threads)
     }
 
     /// The region and page of a host address inside guest RAM.
@@ -263,13 +284,19 @@ impl Pager {
                 )
             };
             match r {
-                Ok(n) => done += n.min(data.len() - done),
+                Ok(n) if n > 0 => done += n.min(data.len() - done),
                 // Partly done, or the address space was changing (fork, mremap): go on.
                 Err(userfaultfd::Error::PartiallyCopied(n)) if retries < 1000 => {
                     retries += 1;
                     if n <= data.len() - done {
                         done += n;
                     }
+                }
+                Ok(_) => {
+                    return Err(PageError::Install {
+                        addr: self.guest_addr(region, page) + done as u64,
+                        source: io::Error::other("UFFDIO_COPY copied nothing"),
+                    })
                 }
                 Err(e) => {
                     let e = uffd_error(e);
@@ -433,6 +460,9 @@ fn serve_faults(pager: Arc<Pager>, status: &Status) {
     loop {
         match wait_readable(fd, pager.loaded.poll_fd()) {
             Ok(false) => {}
+            // Every data page is in, unless a fault of this thread's failed meanwhile: then
+            // the userfaultfd stays open, or the bad page would fill with zeroes.
+            Ok(true) if status.failed() => return std::mem::forget(pager),
             Ok(true) => return,
             Err(e) => return hold_forever(pager, status, format!("polling the userfaultfd: {e}")),
         }
@@ -447,7 +477,11 @@ fn serve_faults(pager: Arc<Pager>, status: &Status) {
                 Ok(Some(other)) => log::warn!("userfaultfd: unexpected event {other:?}"),
                 Ok(None) => break,
                 Err(e) => {
-                    return hold_forever(pager, status, format!("reading the userfaultfd: {e}"))
+                    let e = uffd_error(e);
+                    if e.kind() == io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return hold_forever(pager, status, format!("reading the userfaultfd: {e}"));
                 }
             }
         }
@@ -461,46 +495,64 @@ fn hold_forever(pager: Arc<Pager>, status: &Status, reason: String) {
     std::mem::forget(pager);
 }
 
-/// The prefetcher: installs every data page not installed yet, in file order; then the
-/// file is no longer needed.
-fn prefetch_all(pager: Arc<Pager>, status: &Status, stop: &AtomicBool) {
-    let t = Instant::now();
+/// What the prefetch workers share.
+struct Prefetch {
+    stop: Arc<AtomicBool>,
+    workers: usize,
+    finished: AtomicU64,
+    started: Instant,
+}
+
+/// One prefetch worker (`index` of `p.workers`): installs the data pages of every
+/// `workers`-th chunk not installed yet, in file order, the workers side by side; the last
+/// one to finish reports that the file is no longer needed.
+fn prefetch_all(pager: Arc<Pager>, status: &Status, p: &Prefetch, index: usize) {
     let mut buf = vec![0u8; PREFETCH_CHUNK as usize * PAGE];
-    let runs: Vec<(usize, u64, u64)> = pager.image.data_runs().collect();
-    for (region, first, count) in runs {
-        let mut page = first;
-        while page < first + count {
-            if stop.load(Ordering::Relaxed) || status.failed() {
-                status.prefetch_stopped();
+    let chunks = pager.image.data_runs().flat_map(|(region, first, count)| {
+        (first..first + count)
+            .step_by(PREFETCH_CHUNK as usize)
+            .map(move |page| (region, page, (page + PREFETCH_CHUNK).min(first + count)))
+    });
+    for (region, page, end) in chunks.skip(index).step_by(p.workers) {
+        if p.stop.load(Ordering::Relaxed) || status.failed() {
+            status.prefetch_stopped();
+            return;
+        }
+        match pager.install_data(region, page, end, &mut buf) {
+            Ok(n) => {
+                pager
+                    .counters
+                    .prefetched_pages
+                    .fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) => {
+                status.fail(e.to_string());
                 return;
             }
-            let end = (page + PREFETCH_CHUNK).min(first + count);
-            match pager.install_data(region, page, end, &mut buf) {
-                Ok(n) => {
-                    pager
-                        .counters
-                        .prefetched_pages
-                        .fetch_add(n, Ordering::Relaxed);
-                }
-                Err(e) => {
-                    status.fail(e.to_string());
-                    return;
-                }
-            }
-            page = end;
         }
     }
+    if p.finished.fetch_add(1, Ordering::AcqRel) + 1 == p.workers as u64 {
+        report_loaded(&pager, status, p.started);
+    }
+}
+
+/// Every data page is in: says so, and lets the fault thread close the userfaultfd.
+fn report_loaded(pager: &Pager, status: &Status, started: Instant) {
     let c = &pager.counters;
-    status.loaded(format!(
+    let loaded = status.loaded(format!(
         "{} pages loaded and verified in {:.1} ms ({} by the prefetcher; {} faults brought \
          {} data pages and {} zero pages); the guest no longer needs the file",
         pager.data.count(),
-        t.elapsed().as_secs_f64() * 1000.0,
+        started.elapsed().as_secs_f64() * 1000.0,
         c.prefetched_pages.load(Ordering::Relaxed),
         c.faults.load(Ordering::Relaxed),
         c.fault_pages.load(Ordering::Relaxed),
         c.zero_pages.load(Ordering::Relaxed),
     ));
+    if !loaded {
+        // A page failed: the userfaultfd must stay open.
+        return;
+    }
     if let Err(e) = pager.loaded.wake() {
         // The fault thread then keeps the userfaultfd: harmless, every data page is in.
         log::warn!("cannot tell the snapshot fault thread the restore is complete: {e}");
