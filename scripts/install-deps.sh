@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Installs what building and testing ferrovm needs, if it is missing: the C toolchain for
-# the test guests (gcc, binutils, make) and the Rust components for the checks.
+# the test guests (gcc, binutils, make), libclang for bindgen, and the Rust components for
+# the checks.
 set -euo pipefail
 
 need_apt=()
 command -v gcc >/dev/null || need_apt+=(gcc)
 command -v ld >/dev/null || need_apt+=(binutils)
 command -v make >/dev/null || need_apt+=(make)
+# The userfaultfd crate generates its kernel bindings with bindgen at build time: libclang
+# and the kernel's user-space headers.
+ldconfig -p 2>/dev/null | grep 'libclang[-.0-9]*\.so' >/dev/null || need_apt+=(libclang-dev)
+[ -e /usr/include/linux/userfaultfd.h ] || need_apt+=(linux-libc-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "installing Debian packages: ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive

@@ -298,6 +298,7 @@ impl Machine {
                     verify_first: config.restore_verify,
                     // Locking guest RAM reads all of it anyway: copy it in.
                     eager: config.restore_eager || config.wired,
+                    no_prefetch: RestoreOptions::no_prefetch_from_env(),
                 },
             ),
             (_, Some(listener)) => Start::Incoming(listener),
