@@ -200,10 +200,10 @@ pub fn load(
     });
     if !options.verify_first {
         let (m, exit) = (mapped.clone(), exit.clone());
-        let thread = std::thread::Builder::new()
-            .name("snapshot-verify".into())
-            .spawn(move || verify_in_background(&image, &m, &exit))
-            .map_err(|e| Error::Control(format!("cannot start the snapshot verifier: {e}")))?;
+        let thread = sandbox::spawn(sandbox::Role::RestoreVerify, "snapshot-verify", move || {
+            verify_in_background(&image, &m, &exit)
+        })
+        .map_err(|e| Error::Control(format!("cannot start the snapshot verifier: {e}")))?;
         *lock(&mapped.thread) = Some(thread);
     }
     Ok(LoadedMemory {
