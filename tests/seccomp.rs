@@ -16,7 +16,7 @@ use common::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
-/// `ferrovm ARGS` with `FERROVM_SECCOMP_SELFTEST=role`, until it exits.
+/// `ferrovm ARGS` with `FERROVM_SECCOMP_SELFTEST=role` (none if empty), until it exits.
 fn selftest(role: &str, args: &[&str]) -> Run {
     finish(start(role, args), args)
 }
@@ -234,4 +234,36 @@ fn mistakes_in_the_options_are_one_clear_error() {
     assert!(run.stderr.contains("--seccomp"), "{}", run.stderr);
     selftest("gpu", &["run", "--kernel", &kernel])
         .expect_error("gpu is not a thread role (FERROVM_SECCOMP_SELFTEST)");
+}
+
+/// Naming a migration's destination by host name runs glibc's resolver (nscd socket, the
+/// /etc files) on the filtered migration thread: a refused connection is the only error.
+#[test]
+fn a_destination_named_by_host_name_is_resolved_under_the_filter() {
+    let dir = scratch("resolve");
+    let socket = dir.join("api.sock");
+    let (vm, args) = idle_with_api("", &socket);
+    wait_for(&socket);
+    // A port nobody listens on any more.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let s = socket.to_str().unwrap();
+    let run = ferrovm(
+        &[
+            "ctl",
+            "--api-socket",
+            s,
+            "migrate",
+            &format!("tcp:localhost:{port}"),
+        ],
+        LIMIT,
+    );
+    run.expect_error("Connection refused");
+    ferrovm(&["ctl", "--api-socket", s, "shutdown"], LIMIT).expect_status(0);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    finish(vm, &refs).expect_status(0);
+    let _ = std::fs::remove_dir_all(&dir);
 }
