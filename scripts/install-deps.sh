@@ -7,6 +7,8 @@ need_apt=()
 command -v gcc >/dev/null || need_apt+=(gcc)
 command -v ld >/dev/null || need_apt+=(binutils)
 command -v make >/dev/null || need_apt+=(make)
+# scripts/seccomp-profile.sh traces the VMM's threads with it.
+command -v strace >/dev/null || need_apt+=(strace)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "installing Debian packages: ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive
