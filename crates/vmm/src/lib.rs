@@ -4,6 +4,7 @@
 pub mod api;
 pub mod config;
 mod control;
+mod cpu_setup;
 mod error;
 mod files;
 mod interrupts;

@@ -281,11 +281,11 @@ impl Machine {
             None => None,
         };
 
-        let supported_cpuid = hv.supported_cpuid()?;
+        let cpu_setup = crate::cpu_setup::CpuSetup::new(hv.as_ref())?;
         let mut vcpus = Vec::new();
         for id in 0..config.cpus {
             let vcpu = vm.create_vcpu(id)?;
-            vcpu.set_cpuid(&boot::cpuid::guest_cpuid(&supported_cpuid, id, config.cpus))?;
+            cpu_setup.configure(vcpu.as_ref(), id, config.cpus)?;
             if let (0, Some(entry)) = (id, &entry) {
                 set_boot_registers(vcpu.as_ref(), entry)?;
             }
