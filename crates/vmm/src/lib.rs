@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod config;
+mod console;
 mod control;
 mod cpu_setup;
 mod error;

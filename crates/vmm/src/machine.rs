@@ -15,14 +15,14 @@ use devices::i8042::I8042;
 use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
 use devices::pit::Pit;
 use devices::rtc::Rtc;
-use devices::serial::{SerialDevice, SerialOutput as SerialSink};
+use devices::serial::SerialDevice;
 use hypervisor::{
     open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
 };
 use pci::{HostBridge, PciBus, PciLayout, Window};
 
 use crate::api::{Api, MachineInfo, MachineOps};
-use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
+use crate::config::{IrqChipKind, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
@@ -88,6 +88,11 @@ struct Machine {
     api: Option<(std::os::unix::net::UnixListener, MachineInfo, SocketGuard)>,
     /// COM1's output queue, drained at exit.
     serial_output: Option<Arc<devices::output::OutputQueue>>,
+    /// COM1's input (a terminal or a socket), started when the machine runs.
+    serial_input: Option<(
+        Arc<std::sync::Mutex<SerialDevice>>,
+        crate::console::SerialInput,
+    )>,
 }
 
 fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
@@ -208,7 +213,7 @@ impl Machine {
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
         let guest_memory = Arc::new(guest_memory);
-        let (pio, mmio, timers, platform) = build_buses(
+        let (pio, mmio, timers, mut platform) = build_buses(
             config,
             &exit,
             &irqchip,
@@ -226,6 +231,7 @@ impl Machine {
             },
         )?;
         let serial_output = platform.serial_output.clone();
+        let serial_input = platform.serial_input.take();
         let device_list = platform.into_list(functions)?;
         if caps.rtc_in_kernel && entry.is_some() {
             // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
@@ -311,6 +317,7 @@ impl Machine {
             api,
             start,
             serial_output,
+            serial_input,
         })
     }
 
@@ -384,6 +391,10 @@ impl Machine {
             self.context.control.start_paused();
         }
         let signals = SignalWatch::install()?;
+        let _console = match self.serial_input.take() {
+            Some((com1, input)) => Some(input.start(com1, self.context.exit.clone())?),
+            None => None,
+        };
         let timer_thread = match self.timers.take() {
             Some(devices) if devices.has_timers() => Some(TimerThread::spawn(devices)?),
             // Nothing to drive (bhyve: the PIT and RTC are in the kernel).
@@ -679,25 +690,10 @@ fn build_buses(
         rtc.set_memory_sizes(below_4g, above_4g);
         Some(rtc.register(&mut pio).map_err(devices_err)?)
     };
-    let sink = match &config.serial {
-        SerialOutput::Stdio => SerialSink::Stdout,
-        SerialOutput::File(path) => SerialSink::File(path.clone()),
-        SerialOutput::None => SerialSink::Sink,
-    };
     let com1_irq = Arc::new(IrqPin::new(irqchip.clone(), devices::serial::COM1_IRQ));
-    let serial = SerialDevice::new(&sink, com1_irq).map_err(|e| Error::Option {
-        option: "--serial",
-        value: match &config.serial {
-            SerialOutput::File(path) => format!("file:{}", path.display()),
-            other => format!("{other:?}").to_lowercase(),
-        },
-        reason: e.to_string(),
-    })?;
-    let serial = serial.register_com1(&mut pio).map_err(devices_err)?;
-    let serial_output = serial
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .output_queue();
+    let com1 = crate::console::build_com1(&config.serial, com1_irq, &mut pio)?;
+    let (serial, serial_output) = (com1.device.clone(), com1.output);
+    let serial_input = com1.input.map(|input| (com1.device, input));
     DebugExit::new(exit.clone())
         .register(&mut pio)
         .map_err(devices_err)?;
@@ -719,6 +715,7 @@ fn build_buses(
     legacy.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
     let devices = PlatformDevices {
         serial_output,
+        serial_input,
         legacy,
         pci,
         split: split.cloned(),
@@ -839,6 +836,7 @@ type SignalHandler = extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc:
 
 extern "C" fn on_stop_signal(signo: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     LAST_SIGNAL.store(signo, Ordering::SeqCst);
+    crate::console::terminal::restore();
     let fd = SIGNAL_WAKE_FD.load(Ordering::SeqCst);
     if fd >= 0 {
         let one: u64 = 1;
@@ -967,6 +965,7 @@ mod tests {
     fn as_list(pci: &PciHandles) -> crate::state::DeviceList {
         PlatformDevices {
             serial_output: None,
+            serial_input: None,
             legacy: Vec::new(),
             pci: pci.clone(),
             split: None,

@@ -14,6 +14,7 @@ use virtio::rng::Rng;
 use virtio::{IoEventRegistrar, VirtioDevice, VirtioPciDevice};
 
 use crate::config::{ConsoleConfig, DiskCache, DiskConfig, SerialOutput, VmConfig};
+use crate::console::SerialInput;
 use crate::error::{Error, Result};
 use crate::ioevents::VmIoEvents;
 use crate::memory::GuestMemory;
@@ -44,6 +45,8 @@ impl IrqChip for IntxPinChip {
 pub struct PlatformDevices {
     /// Where COM1's output waits for its writer (absent when it goes nowhere).
     pub serial_output: Option<Arc<devices::output::OutputQueue>>,
+    /// COM1 and where its input will come from, started when the machine runs.
+    pub serial_input: Option<(Arc<Mutex<devices::serial::SerialDevice>>, SerialInput)>,
     /// Serial, i8042, fw_cfg, ACPI PM, and the PIT and RTC where the VMM models them.
     pub legacy: Vec<SharedDevice>,
     pub pci: PciHandles,
@@ -206,11 +209,12 @@ fn open_console(serial: &SerialOutput) -> Result<Console> {
     let output = match serial {
         SerialOutput::Stdio => ConsoleOutput::Stdout,
         SerialOutput::File(path) => ConsoleOutput::File(path.clone()),
-        SerialOutput::None => {
+        SerialOutput::None | SerialOutput::Socket(_) => {
             return Err(Error::Option {
                 option: "--console",
                 value: "virtio".into(),
-                reason: "the virtio console writes where --serial does, and --serial is none"
+                reason: "the virtio console writes where --serial does, which must be stdio \
+                         or a file"
                     .into(),
             })
         }
