@@ -14,6 +14,16 @@ pub enum IrqChipKind {
     Split,
 }
 
+impl IrqChipKind {
+    /// As `--irqchip` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            IrqChipKind::Kernel => "kernel",
+            IrqChipKind::Split => "split",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SerialOutput {
     /// Output to stdout; input from stdin when it is a terminal.

@@ -12,20 +12,18 @@ use devices::debug_exit::DebugExit;
 use devices::exit::{ExitReason, ExitRequest, Waker};
 use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
-use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
+use devices::irqchip::{IrqChip, IrqPin};
 use devices::pit::Pit;
 use devices::rtc::Rtc;
 use devices::serial::SerialDevice;
-use hypervisor::{
-    open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
-};
+use hypervisor::{open_accelerator_with, AccelOptions, SegmentRegister, StandardRegisters, Vcpu};
 use pci::{HostBridge, PciBus, PciLayout, Window};
 
 use crate::api::{Api, MachineInfo, MachineOps};
 use crate::config::{IrqChipKind, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
-use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
+use crate::irqchip::MachineIrqChip;
 use crate::memory::{self, GuestMemory};
 use crate::platform::{add_virtio_devices, PciHandles, PlatformDevices, VirtioContext};
 use crate::restore::RestoreOptions;
@@ -173,30 +171,8 @@ impl Machine {
         // KVM_CREATE_IRQCHIP costs milliseconds more (measured: 5–7 ms against 0.2 ms).
         let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
         let regions = memory::map_into_vm(&vm, &guest_memory)?;
-        let extint = Arc::new(BspExtInt::default());
-        let (irqchip, split): (Arc<dyn IrqChip>, Option<Arc<SplitIrqChip>>) = match config.irqchip {
-            IrqChipKind::Kernel => {
-                vm.create_irqchip(IrqChipMode::Kernel)?;
-                (Arc::new(KernelIrqChip { vm: vm.clone() }), None)
-            }
-            IrqChipKind::Split => {
-                if !caps.irqchip_split {
-                    return Err(Error::Option {
-                        option: "--irqchip",
-                        value: "split".into(),
-                        reason: "the accelerator has no split irqchip".into(),
-                    });
-                }
-                vm.create_irqchip(IrqChipMode::Split {
-                    ioapic_pins: NUM_PINS as u32,
-                })?;
-                let chip = Arc::new(SplitIrqChip::new(
-                    Arc::new(VmMsiSink { vm: vm.clone() }),
-                    extint.clone(),
-                ));
-                (chip.clone(), Some(chip))
-            }
-        };
+        // Asked again now that the VM exists: bhyve probes its snapshot support on creation.
+        let irqchip = crate::irqchip::create(&vm, config.irqchip, &hv.capabilities())?;
 
         let entry = match kernel.as_mut() {
             Some(kernel) => Some(load_firmware_and_kernel(
@@ -213,18 +189,13 @@ impl Machine {
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
         let guest_memory = Arc::new(guest_memory);
-        let (pio, mmio, timers, mut platform) = build_buses(
-            config,
-            &exit,
-            &irqchip,
-            split.as_ref(),
-            &timer_wake,
-            caps.rtc_in_kernel,
-        )?;
+        let (pio, mmio, timers, mut platform) =
+            build_buses(config, &exit, &irqchip, &timer_wake, caps.rtc_in_kernel)?;
         let functions = add_virtio_devices(
             config,
             &VirtioContext {
                 vm: &vm,
+                irqchip: &irqchip,
                 caps: &caps,
                 memory: &guest_memory,
                 pci: &platform.pci,
@@ -248,8 +219,7 @@ impl Machine {
             exit,
             stop: Arc::new(AtomicBool::new(false)),
             sample_rip: rip_sample_period().is_some(),
-            split,
-            extint,
+            irqchip: irqchip.clone(),
             control: Arc::new(RunControl::default()),
         });
 
@@ -266,13 +236,11 @@ impl Machine {
             devices: device_list,
             timers: timers.gate.clone(),
             msrs: hv.msr_index_list()?,
-            kernel_irqchip: config.irqchip == IrqChipKind::Kernel,
+            irqchip: irqchip.clone(),
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
             restored: Default::default(),
             snapshot_temp: Default::default(),
-            // Asked again now that the VM exists: bhyve probes VM_SNAPSHOT_REQ on creation.
-            kernel_snapshot: hv.capabilities().kernel_snapshot != Some(false),
         });
         let api = match &config.api_socket {
             Some(path) => {
@@ -406,7 +374,7 @@ impl Machine {
             match vcpu::spawn(vcpu, self.context.clone()) {
                 Ok(t) => {
                     if t.id == 0 {
-                        self.context.extint.set_kicker(t.kicker);
+                        self.context.irqchip.set_bsp_kicker(t.kicker);
                     }
                     threads.push(t)
                 }
@@ -665,17 +633,17 @@ fn unix_now_secs() -> i64 {
 fn build_buses(
     config: &VmConfig,
     exit: &Arc<ExitRequest>,
-    irqchip: &Arc<dyn IrqChip>,
-    split: Option<&Arc<SplitIrqChip>>,
+    chip: &Arc<dyn MachineIrqChip>,
     timer_wake: &Arc<TimerWake>,
     rtc_in_kernel: bool,
 ) -> Result<(Bus, Bus, TimerDevices, PlatformDevices)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
+    let irqchip: &Arc<dyn IrqChip> = &(chip.clone() as Arc<dyn IrqChip>);
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
     let mut pit = None;
-    if let Some(chip) = split {
-        chip.register(&mut pio, &mut mmio).map_err(devices_err)?;
+    chip.register(&mut pio, &mut mmio)?;
+    if chip.kind() == IrqChipKind::Split {
         let mut model = Pit::new();
         model.set_waker(timer_wake.clone());
         pit = Some(model.register(&mut pio).map_err(devices_err)?);
@@ -718,7 +686,7 @@ fn build_buses(
         serial_input,
         legacy,
         pci,
-        split: split.cloned(),
+        irqchip: Some(chip.clone()),
     };
     let timers = TimerDevices {
         pit,
@@ -968,7 +936,7 @@ mod tests {
             serial_input: None,
             legacy: Vec::new(),
             pci: pci.clone(),
-            split: None,
+            irqchip: None,
         }
         .into_list(Vec::new())
         .unwrap()

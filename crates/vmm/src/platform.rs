@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, SplitIrqChipHandle};
+use devices::irqchip::{IrqChip, IrqPin};
 use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
 use hypervisor::{Capabilities, Vm};
 use pci::{HostBridge, IntxLine, IntxPin, PciBus};
@@ -50,8 +50,8 @@ pub struct PlatformDevices {
     /// Serial, i8042, fw_cfg, ACPI PM, and the PIT and RTC where the VMM models them.
     pub legacy: Vec<SharedDevice>,
     pub pci: PciHandles,
-    /// Split irqchip mode only.
-    pub split: Option<Arc<SplitIrqChip>>,
+    /// The interrupt controllers (absent only in tests of other parts).
+    pub irqchip: Option<Arc<dyn crate::irqchip::MachineIrqChip>>,
 }
 
 /// The PCI bus in the lifecycle list: it records where each BAR decodes, and restoring it
@@ -81,9 +81,7 @@ impl PlatformDevices {
         let mut list = DeviceList::default();
         let bridge: SharedDevice = self.pci.host_bridge;
         let bus: SharedDevice = Arc::new(Mutex::new(PciBusLifecycle(self.pci.bus)));
-        let chip = self
-            .split
-            .map(|c| Arc::new(Mutex::new(SplitIrqChipHandle(c))) as SharedDevice);
+        let chip = self.irqchip.map(crate::irqchip::IrqChipDevice::shared);
         let ordered = self
             .legacy
             .into_iter()
@@ -101,6 +99,8 @@ impl PlatformDevices {
 /// What the virtio functions need from the machine.
 pub struct VirtioContext<'a> {
     pub vm: &'a Arc<dyn Vm>,
+    /// Injects MSIs where the kernel has no irqfd.
+    pub irqchip: &'a Arc<dyn crate::irqchip::MachineIrqChip>,
     pub caps: &'a Capabilities,
     pub memory: &'a Arc<GuestMemory>,
     pub pci: &'a PciHandles,
@@ -168,7 +168,12 @@ fn plug(
         pci::intx_gsi(slot, IntxPin::A),
     );
     let vectors = model.queue_max_sizes().len() as u16 + 1;
-    let msi = Arc::new(VmMsiTarget::new(ctx.vm.clone(), gsis, vectors));
+    let msi = Arc::new(VmMsiTarget::new(
+        ctx.vm.clone(),
+        ctx.irqchip.clone(),
+        gsis,
+        vectors,
+    ));
     let id = format!("pci-00:{slot:02x}.0");
     let function = VirtioPciDevice::new(id, model, ctx.memory.clone(), msi, intx, ioevents)
         .map_err(|e| Error::Devices(format!("{kind}: {e}")))?;

@@ -25,9 +25,9 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::kick;
 use crate::{
     AccelKind, Capabilities, ClockData, CpuidEntry, FpuState, Hypervisor, HypervisorError,
-    IoEventAddress, IrqChipMode, IrqChipState, LapicState, MemoryRegion, MpState, MsiMessage,
-    MsrEntry, Result, SpecialRegisters, StandardRegisters, Vcpu, VcpuEvents, VcpuExit, VcpuKicker,
-    Vm, Xcr, XsaveState, LAPIC_REGS_SIZE,
+    IoEventAddress, IrqChipMode, IrqChipState, IrqRoute, LapicState, MemoryRegion, MpState,
+    MsiMessage, MsrEntry, Result, SpecialRegisters, StandardRegisters, Vcpu, VcpuEvents, VcpuExit,
+    VcpuKicker, Vm, Xcr, XsaveState, LAPIC_REGS_SIZE,
 };
 use convert::*;
 use routes::GsiRoutes;
@@ -478,10 +478,6 @@ impl Vm for KvmVm {
                 self.fd
                     .create_irq_chip()
                     .map_err(ioctl_err("KVM_CREATE_IRQCHIP"))?;
-                self.update_routes(|routes| {
-                    routes.set_pc_wiring();
-                    Ok(())
-                })?;
                 let pit = kvm_pit_config {
                     flags: KVM_PIT_SPEAKER_DUMMY,
                     ..Default::default()
@@ -501,6 +497,10 @@ impl Vm for KvmVm {
                     .map_err(ioctl_err("KVM_ENABLE_CAP(KVM_CAP_SPLIT_IRQCHIP)"))
             }
         }
+    }
+
+    fn set_irqchip_routes(&self, routes: &[IrqRoute]) -> Result<()> {
+        self.update_routes(|table| table.set_irqchip_routes(routes))
     }
 
     fn create_vcpu(&self, id: u32) -> Result<Box<dyn Vcpu>> {
