@@ -87,6 +87,16 @@ impl Vm {
     }
 }
 
+/// A test that fails leaves no VMM behind.
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// The machine state in a snapshot file (a JSON object near its start, before the RAM
 /// images).
 fn saved_state(snapshot: &Path) -> serde_json::Value {

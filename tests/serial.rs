@@ -105,6 +105,16 @@ impl Vm {
     }
 }
 
+/// A test that fails leaves no VMM behind.
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 fn wait_until(limit: Duration, mut ok: impl FnMut() -> bool, what: impl Fn() -> String) {
     let deadline = Instant::now() + limit;
     while !ok() {
