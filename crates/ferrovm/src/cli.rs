@@ -70,8 +70,13 @@ pub struct RunArgs {
     /// Accelerator.
     #[arg(long, value_enum, default_value = "auto")]
     pub accel: AccelArg,
-    /// Serial console: stdio, file:PATH or none.
-    #[arg(long, value_name = "stdio|file:PATH|none", default_value = "stdio")]
+    /// Serial console: stdio (input too when stdin is a terminal; Ctrl-A x quits), file:PATH,
+    /// socket:PATH (a Unix socket, one client at a time) or none.
+    #[arg(
+        long,
+        value_name = "stdio|file:PATH|socket:PATH|none",
+        default_value = "stdio"
+    )]
     pub serial: String,
     /// A virtio-blk disk on a raw image (file or block device); repeatable.
     #[arg(

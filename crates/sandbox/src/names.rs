@@ -167,8 +167,9 @@ fn ioctl_requests() -> Vec<(&'static str, u64)> {
         UFFDIO_CONTINUE,
     ];
     let block = named_ioctls![BLKDISCARD, BLKZEROOUT];
-    use libc::{FIOCLEX, FIONBIO, FIONCLEX, FIONREAD, TCGETS, TIOCGWINSZ};
-    let tty: &[(&str, u64)] = named![TCGETS, TIOCGWINSZ, FIONBIO, FIONREAD, FIOCLEX, FIONCLEX];
+    use libc::{FIOCLEX, FIONBIO, FIONCLEX, FIONREAD, TCGETS, TCSETS, TIOCGWINSZ};
+    let tty: &[(&str, u64)] =
+        named![TCGETS, TCSETS, TIOCGWINSZ, FIONBIO, FIONREAD, FIOCLEX, FIONCLEX];
     kvm.iter()
         .chain(uffd.iter())
         .chain(block.iter())

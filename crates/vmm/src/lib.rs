@@ -3,11 +3,13 @@
 
 pub mod api;
 pub mod config;
+mod console;
 mod control;
+mod cpu_setup;
 mod error;
 mod files;
-mod interrupts;
 mod ioevents;
+mod irqchip;
 mod machine;
 pub mod memory;
 mod msi;

@@ -46,16 +46,14 @@ pub struct Core {
     pub timers: Arc<TimerGate>,
     pub config: MigrationConfig,
     pub msrs: Vec<u32>,
-    pub kernel_irqchip: bool,
+    /// The interrupt controllers (saved with the devices; asked before a save whether
+    /// they can be).
+    pub irqchip: Arc<dyn crate::irqchip::MachineIrqChip>,
     /// Whether the kernel's manual dirty-log protect is on (decided at the first migration).
     pub manual_protect: std::sync::OnceLock<bool>,
     /// Whether the accelerator tracks dirty pages (upstream bhyve does not): without it only
     /// warm migration is possible.
     pub dirty_tracking: bool,
-    /// Whether the kernel can save its own VM state (`Capabilities::kernel_snapshot`;
-    /// bhyve: only kernels built with `options BHYVE_SNAPSHOT`). Without it, snapshots and
-    /// migrations are refused before the guest is paused.
-    pub kernel_snapshot: bool,
     /// Set after a lazy restore: guest RAM is served from that snapshot file.
     pub restored: std::sync::OnceLock<Arc<LazyRestore>>,
     /// The temporary file of a snapshot being written, removed if the machine ends first.
@@ -99,10 +97,7 @@ impl Core {
     /// Pages not loaded yet are read through guest memory, which installs them verified, so
     /// corrupt data never gets a fresh checksum.
     fn check_can_save(&self) -> Result<()> {
-        if self.kernel_irqchip && !self.kernel_snapshot {
-            // The backend knows it cannot and answers at once, naming what is missing.
-            self.vm.irqchip_state()?;
-        }
+        self.irqchip.check_can_save()?;
         if let Some(m) = self.restored.get() {
             m.check_intact()?;
         }
@@ -183,11 +178,8 @@ impl Core {
         Ok(MachineState {
             format: crate::state::STATE_FORMAT,
             vcpus,
-            kernel_irqchip: if self.kernel_irqchip {
-                Some(self.vm.irqchip_state()?)
-            } else {
-                None
-            },
+            // Saved with the devices (the `irqchip` device).
+            kernel_irqchip: None,
             clock: self.vm.clock()?,
             devices: self.devices.save()?,
             predates_pci: false,
