@@ -483,11 +483,11 @@ def restore_section(res, docs, out):
         "- **eager** (`--restore-eager`): every page copied from the file into anonymous guest "
         "RAM and checked against its CRC before the vCPUs start — what restoring a version 1 "
         "snapshot (a stream) did;\n"
-        "- **lazy** (the default): the page images mapped over guest RAM (`MAP_PRIVATE`), "
-        "pages read from the file when the guest first touches them, their CRCs checked by a "
-        "background thread while the guest runs;\n"
+        "- **lazy** (the default): verify on fault — guest RAM registered with a userfaultfd; "
+        "each page read from the file and checked against its CRC before it is installed, "
+        "when the guest first touches it or when the prefetcher reaches it;\n"
         "- **lazy+verify** (`--restore-verify`): every page checked against its CRC before "
-        "the vCPUs start, then mapped.\n")
+        "the vCPUs start, then served on fault as in lazy.\n")
     out.append(
         "**warm**: the file is in the page cache (read once just before, as after a recent "
         "snapshot); **cold**: evicted first (`posix_fadvise(POSIX_FADV_DONTNEED)`), so pages "

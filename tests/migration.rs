@@ -1134,11 +1134,12 @@ fn a_migration_is_cancelled_and_the_guest_is_left_as_it_was() {
     let mut start_dest = |name: &str| {
         let port = free_port();
         let listen = format!("tcp:127.0.0.1:{port}");
+        // With an API socket, which start waits for: the destination listens by then.
         dests.push(Vm::start(
             &["--incoming", &listen, "--memory", "256M"],
             &dir,
             name,
-            false,
+            true,
         ));
         listen
     };

@@ -14,6 +14,7 @@ pub mod gdt;
 pub mod layout;
 pub mod loader;
 pub mod mptable;
+pub mod msr;
 pub mod multiboot;
 pub mod table_loader;
 

@@ -33,6 +33,8 @@ pub enum ExitReason {
     /// The VMM found it cannot run the guest on (e.g. the page data of a lazily restored
     /// snapshot proved corrupt); it reports the cause itself.
     Failed,
+    /// The operator typed the console's quit sequence (Ctrl-A x), as QEMU's.
+    ConsoleQuit,
 }
 
 impl ExitReason {
@@ -46,7 +48,10 @@ impl ExitReason {
     pub fn exit_status(self) -> i32 {
         match self {
             ExitReason::DebugExit(v) => (i32::from(v) << 1) | 1,
-            ExitReason::Reset | ExitReason::PowerOff | ExitReason::Migrated => 0,
+            ExitReason::Reset
+            | ExitReason::PowerOff
+            | ExitReason::Migrated
+            | ExitReason::ConsoleQuit => 0,
             ExitReason::VcpuFailed(_) | ExitReason::Failed => 2,
         }
     }
@@ -61,6 +66,7 @@ impl ExitReason {
             ExitReason::VcpuFailed(id) => (4, id),
             ExitReason::Migrated => (5, 0),
             ExitReason::Failed => (6, 0),
+            ExitReason::ConsoleQuit => (7, 0),
         };
         (kind << 32) | u64::from(payload)
     }
@@ -74,6 +80,7 @@ impl ExitReason {
             4 => Some(ExitReason::VcpuFailed(payload)),
             5 => Some(ExitReason::Migrated),
             6 => Some(ExitReason::Failed),
+            7 => Some(ExitReason::ConsoleQuit),
             _ => None,
         }
     }
@@ -265,6 +272,7 @@ mod tests {
         assert_eq!(ExitReason::PowerOff.exit_status(), 0);
         assert_eq!(ExitReason::VcpuFailed(3).exit_status(), 2);
         assert_eq!(ExitReason::Failed.exit_status(), 2);
+        assert_eq!(ExitReason::ConsoleQuit.exit_status(), 0);
         for r in [
             ExitReason::VcpuFailed(0),
             ExitReason::VcpuFailed(u32::MAX),
@@ -274,6 +282,7 @@ mod tests {
             ExitReason::PowerOff,
             ExitReason::Migrated,
             ExitReason::Failed,
+            ExitReason::ConsoleQuit,
         ] {
             assert_eq!(ExitReason::decode(r.encode()), Some(r));
         }

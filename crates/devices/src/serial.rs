@@ -13,10 +13,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use vm_superio::serial::NoEvents;
+use vm_superio::serial::SerialEvents;
 use vm_superio::{Serial, SerialState as UartState, Trigger};
 
 use crate::bus::{Bus, BusDevice, BusError};
+use crate::exit::Waker;
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::output::{OutputQueue, QueuedWriter, OUTPUT_QUEUE_BYTES};
 use crate::state::StateError;
@@ -73,6 +74,24 @@ impl Trigger for IrqTrigger {
     fn trigger(&self) -> Result<(), Infallible> {
         self.0.trigger();
         Ok(())
+    }
+}
+
+/// Tells the host-input feeder that the guest emptied the receive FIFO, so that it can
+/// offer the input that did not fit.
+#[derive(Clone, Default)]
+struct InputRoom(Option<Arc<Waker>>);
+
+impl SerialEvents for InputRoom {
+    fn buffer_read(&self) {}
+    fn out_byte(&self) {}
+    fn tx_lost_byte(&self) {}
+    fn in_buffer_empty(&self) {
+        if let Some(waker) = &self.0 {
+            if let Err(e) = waker.wake() {
+                log::warn!("serial: cannot wake the input feeder: {e}");
+            }
+        }
     }
 }
 
@@ -231,11 +250,13 @@ impl Write for Out {
 
 /// A 16550A UART on the I/O bus.
 pub struct SerialDevice {
-    uart: Serial<IrqTrigger, NoEvents, Out>,
+    uart: Serial<IrqTrigger, InputRoom, Out>,
     /// The queue in front of standard output or a file.
     output: Option<Arc<OutputQueue>>,
     /// Output errors are logged once, not once per byte.
     output_error_logged: bool,
+    /// Woken when the guest empties the receive FIFO.
+    input_room: InputRoom,
 }
 
 impl std::fmt::Debug for SerialDevice {
@@ -267,6 +288,15 @@ impl SerialDevice {
         self.output.clone()
     }
 
+    /// A UART writing through a bounded queue the caller made (e.g. to a socket client):
+    /// [`SerialDevice::output_queue`] returns that queue.
+    pub fn with_queue(writer: QueuedWriter, irq: Arc<dyn IrqLine>) -> Self {
+        let queue = writer.queue().clone();
+        let mut dev = Self::from_sink(Out::Queued(writer), irq);
+        dev.output = Some(queue);
+        dev
+    }
+
     /// A UART writing to any writer, from the vCPU thread: one that never blocks (an
     /// in-memory buffer, a [`QueuedWriter`]).
     pub fn with_writer(out: Box<dyn Write + Send>, irq: Arc<dyn IrqLine>) -> Self {
@@ -275,9 +305,10 @@ impl SerialDevice {
 
     fn from_sink(sink: Out, irq: Arc<dyn IrqLine>) -> Self {
         SerialDevice {
-            uart: Serial::new(IrqTrigger(irq), sink),
+            uart: Serial::with_events(IrqTrigger(irq), InputRoom::default(), sink),
             output: None,
             output_error_logged: false,
+            input_room: InputRoom::default(),
         }
     }
 
@@ -311,6 +342,15 @@ impl SerialDevice {
         self.uart.enqueue_raw_bytes(input).unwrap_or(0)
     }
 
+    /// Wakes `waker` whenever the guest empties the receive FIFO: the moment to offer
+    /// input that [`SerialDevice::enqueue_raw_bytes`] could not take.
+    pub fn set_input_waker(&mut self, waker: Arc<Waker>) {
+        self.input_room = InputRoom(Some(waker));
+        let state = self.uart.state();
+        let irq = self.uart.interrupt_evt().0.clone();
+        self.rebuild(&state, irq);
+    }
+
     /// Free space in the receive FIFO.
     pub fn fifo_capacity(&self) -> usize {
         self.uart.fifo_capacity()
@@ -333,17 +373,22 @@ impl SerialDevice {
 
     /// Recreates the `vm_superio` model from `state`, moving the sink over.
     fn rebuild(&mut self, state: &UartState, irq: Arc<dyn IrqLine>) {
-        let placeholder = Serial::new(IrqTrigger(Arc::new(NoIrq)), Out::Discard);
+        let placeholder = Serial::with_events(
+            IrqTrigger(Arc::new(NoIrq)),
+            InputRoom::default(),
+            Out::Discard,
+        );
         let old = std::mem::replace(&mut self.uart, placeholder);
         let sink = old.into_writer();
-        self.uart = match Serial::from_state(state, IrqTrigger(irq.clone()), NoEvents, sink) {
+        let events = self.input_room.clone();
+        self.uart = match Serial::from_state(state, IrqTrigger(irq.clone()), events, sink) {
             Ok(uart) => uart,
             Err(e) => {
                 // Unreachable: the caller checked the FIFO size, the trigger
                 // cannot fail, and the sink was moved into the failed call,
                 // so fall back to a reset UART rather than panic.
                 log::error!("serial: cannot rebuild UART ({e}); resetting it");
-                Serial::new(IrqTrigger(irq), Out::Discard)
+                Serial::with_events(IrqTrigger(irq), self.input_room.clone(), Out::Discard)
             }
         };
     }
@@ -495,10 +540,13 @@ mod tests {
             .append(true)
             .open(&path)
             .unwrap();
+        let queue = dev.output_queue().unwrap();
         for chunk in [&b"serial 1\n"[..], b"serial 2\n"] {
             for &b in chunk {
                 dev.write(0, &[b]);
             }
+            // The UART's writer thread appends asynchronously: wait for it.
+            assert!(queue.drain(std::time::Duration::from_secs(10)));
             other.write_all(b"console\n").unwrap();
         }
         let queue = dev.output_queue().expect("a file sink has an output queue");
@@ -570,6 +618,25 @@ mod tests {
 
         dev.write(0, b"z");
         assert_eq!(&*buf.0.lock().unwrap(), b"z");
+    }
+
+    #[test]
+    fn the_guest_emptying_the_fifo_wakes_the_input_feeder() {
+        let mut dev = SerialDevice::with_writer(Box::new(io::sink()), Arc::new(NoIrq));
+        let waker = Arc::new(Waker::new().unwrap());
+        dev.enqueue_raw_bytes(b"ab");
+        dev.set_input_waker(waker.clone());
+        assert!(!waker.drain(), "nothing read yet");
+        let mut d = [0u8];
+        dev.read(0, &mut d);
+        assert!(!waker.drain(), "one byte still in the FIFO");
+        dev.read(0, &mut d);
+        assert!(waker.drain(), "the FIFO is empty: room for more input");
+        // A restored state keeps the waker.
+        dev.restore(&SerialState::default()).unwrap();
+        dev.enqueue_raw_bytes(b"c");
+        dev.read(0, &mut d);
+        assert!(waker.drain());
     }
 
     #[test]

@@ -82,8 +82,13 @@ pub struct RunArgs {
     /// Accelerator.
     #[arg(long, value_enum, default_value = "auto")]
     pub accel: AccelArg,
-    /// Serial console: stdio, file:PATH or none.
-    #[arg(long, value_name = "stdio|file:PATH|none", default_value = "stdio")]
+    /// Serial console: stdio (input too when stdin is a terminal; Ctrl-A x quits), file:PATH,
+    /// socket:PATH (a Unix socket, one client at a time) or none.
+    #[arg(
+        long,
+        value_name = "stdio|file:PATH|socket:PATH|none",
+        default_value = "stdio"
+    )]
     pub serial: String,
     /// A virtio-blk disk on a raw image (file or block device); repeatable.
     #[arg(
@@ -121,6 +126,18 @@ pub struct RunArgs {
     /// longer depends on the file).
     #[arg(long, requires = "restore")]
     pub restore_eager: bool,
+    /// System call filters on every thread (docs/security.md): `kill` stops the VMM with a
+    /// message on a forbidden call, `log` lets the kernel log it, `off` installs none
+    /// (default kill on x86-64 Linux, off elsewhere; FERROVM_SECCOMP sets the default).
+    #[arg(long, value_enum, env = "FERROVM_SECCOMP", value_name = "off|log|kill")]
+    pub seccomp: Option<SeccompArg>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum SeccompArg {
+    Off,
+    Log,
+    Kill,
 }
 
 impl RunArgs {
@@ -187,6 +204,12 @@ impl RunArgs {
             config.console = parse_console(console)?;
         }
         config.rng = self.rng;
+        config.seccomp = match self.seccomp {
+            Some(SeccompArg::Off) => sandbox::Mode::Off,
+            Some(SeccompArg::Log) => sandbox::Mode::Log,
+            Some(SeccompArg::Kill) => sandbox::Mode::Kill,
+            None => sandbox::Mode::platform_default(),
+        };
         Ok(config)
     }
 }

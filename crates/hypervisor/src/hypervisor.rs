@@ -3,7 +3,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::{CpuidEntry, HypervisorError, Result, Vm};
+use crate::{CpuidEntry, HypervisorError, MsrEntry, Result, Vm};
 
 /// Which in-kernel hypervisor to drive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +83,17 @@ pub trait Hypervisor: Send + Sync {
     fn supported_cpuid(&self) -> Result<Vec<CpuidEntry>>;
     /// MSRs whose state the kernel keeps per vCPU (what a snapshot must save).
     fn msr_index_list(&self) -> Result<Vec<u32>>;
+    /// The host's values of the read-only "feature" MSRs among `indices` that the kernel
+    /// reports (KVM_GET_MSRS on the system: e.g. the microcode revision), for the VMM to
+    /// present to its guests; those the kernel does not report are left out.
+    fn feature_msrs(&self, _indices: &[u32]) -> Result<Vec<MsrEntry>> {
+        Ok(Vec::new())
+    }
+    /// The IA32_MCG_CAP bits the kernel can emulate for a guest (machine-check banks in
+    /// bits 7:0), or `None` if the VMM cannot configure machine checks.
+    fn supported_mcg_cap(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
 }
 
 /// What the VMM asks of the accelerator beyond its kind.

@@ -29,6 +29,6 @@ pub use kick::VcpuKicker;
 pub use state::{restore_vcpu_state, save_vcpu_state, VcpuState, SNAPSHOT_MSRS};
 pub use vcpu::{Vcpu, VcpuExit};
 pub use vm::{
-    ClockData, IoEventAddress, IrqChipMode, IrqChipState, KernelBlob, MemoryRegion, MsiMessage, Vm,
-    FIRST_MSI_GSI,
+    ClockData, IoEventAddress, IrqChipMode, IrqChipPin, IrqChipState, IrqRoute, KernelBlob,
+    MemoryRegion, MsiMessage, Vm, FIRST_MSI_GSI,
 };

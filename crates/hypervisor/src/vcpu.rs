@@ -100,6 +100,13 @@ pub trait Vcpu: Send {
     fn msrs(&self, indices: &[u32]) -> Result<Vec<MsrEntry>>;
     fn set_msrs(&self, msrs: &[MsrEntry]) -> Result<()>;
     fn set_cpuid(&self, entries: &[CpuidEntry]) -> Result<()>;
+    /// Configures the vCPU's machine-check architecture: IA32_MCG_CAP = `mcg_cap` (a
+    /// subset of `Hypervisor::supported_mcg_cap`). Call before setting MCG/MCi MSRs.
+    fn setup_machine_check(&self, _mcg_cap: u64) -> Result<()> {
+        Err(crate::HypervisorError::Unsupported(
+            "configuring machine checks".into(),
+        ))
+    }
     /// The CPUID the vCPU presents (what `set_cpuid` installed; empty before that).
     fn cpuid(&self) -> Result<Vec<CpuidEntry>>;
     fn lapic(&self) -> Result<LapicState>;

@@ -63,6 +63,25 @@ pub struct ClockData {
     pub flags: u32,
 }
 
+/// An input of the in-kernel interrupt controllers (kernel irqchip mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IrqChipPin {
+    /// Input 0-7 of the master 8259.
+    PicMaster(u32),
+    /// Input 0-7 of the slave 8259.
+    PicSlave(u32),
+    /// An I/O APIC pin.
+    Ioapic(u32),
+}
+
+/// Line `gsi` of `Vm::set_irq_line` reaches controller input `pin` (a line may reach
+/// several: an ISA IRQ goes to an 8259 input and an I/O APIC pin).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IrqRoute {
+    pub gsi: u32,
+    pub pin: IrqChipPin,
+}
+
 /// The state the kernel keeps for the VM itself (`IrqChipMode::Kernel`), for snapshots and
 /// migration: the in-kernel PIC pair, IOAPIC and PIT, and on backends whose kernel keeps
 /// more than that (bhyve) everything it saves for the VM.
@@ -105,6 +124,13 @@ pub trait Vm: Send + Sync {
     /// until the slot is removed); the kernel accesses it behind Rust's back.
     unsafe fn map_memory(&self, region: &MemoryRegion) -> Result<()>;
     fn create_irqchip(&self, mode: IrqChipMode) -> Result<()>;
+    /// Kernel irqchip mode: which controller inputs each line of `set_irq_line` drives,
+    /// replacing the kernel's default wiring. Lines not listed reach nothing.
+    fn set_irqchip_routes(&self, _routes: &[IrqRoute]) -> Result<()> {
+        Err(HypervisorError::Unsupported(
+            "routing the in-kernel interrupt controllers' lines".into(),
+        ))
+    }
     fn create_vcpu(&self, id: u32) -> Result<Box<dyn Vcpu>>;
     /// Drives an interrupt line of the in-kernel PIC/IOAPIC (kernel irqchip mode).
     fn set_irq_line(&self, gsi: u32, level: bool) -> Result<()>;

@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{region_of, require_kvm, start_flat_32};
 use hypervisor::{
     open_accelerator, AccelKind, DescriptorTable, Hypervisor, HypervisorError, IoEventAddress,
-    IrqChipMode, MsiMessage, Vcpu, VcpuExit, VcpuKicker, Vm,
+    IrqChipMode, IrqChipPin, IrqRoute, MsiMessage, Vcpu, VcpuExit, VcpuKicker, Vm,
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -41,6 +41,16 @@ fn machine(
     let vm = hv.create_vm().expect("create vm");
     if let Some(mode) = mode {
         vm.create_irqchip(mode).expect("create irqchip");
+        if mode == IrqChipMode::Kernel {
+            // The VMM writes the PC wiring; these tests need the I/O APIC pins only.
+            let routes: Vec<IrqRoute> = (1..24)
+                .map(|pin| IrqRoute {
+                    gsi: pin,
+                    pin: IrqChipPin::Ioapic(pin),
+                })
+                .collect();
+            vm.set_irqchip_routes(&routes).expect("irqchip routes");
+        }
     }
     let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
     // SAFETY: `mem` is returned to the caller and outlives every use of the VM in the test.

@@ -96,6 +96,14 @@ pub enum Error {
         stored: u32,
         computed: u32,
     },
+    /// A page that holds data lies past the end of the snapshot file: the file was truncated
+    /// after it was opened (while a lazily restored guest still needed it).
+    #[error("snapshot file cut short: guest page {addr:#x} (page data at byte {offset} of the file) lies past the file's end (byte {file_len}): it was truncated after the restore began")]
+    PagePastEnd {
+        addr: u64,
+        offset: u64,
+        file_len: u64,
+    },
     /// Non-zero bytes in a snapshot file's page image where the CRC table lists no data.
     #[error("snapshot file corrupted: guest page {addr:#x} (byte {offset} of the file) holds data, but the snapshot's page table lists none there")]
     UnlistedData { addr: u64, offset: u64 },

@@ -537,6 +537,83 @@ impl SnapshotImage {
         b
     }
 
+    /// The runs of pages that hold data, as (region index, first page of the region, count),
+    /// in file and guest address order.
+    pub fn data_runs(&self) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
+        self.runs.iter().map(|r| (r.region, r.first, r.count))
+    }
+
+    /// Reads pages `first..first + n` of region `region` (`n` = `buf.len()` / 4096) as the
+    /// guest must see them: each page that holds data is read from the file with `pread` and
+    /// checked against its CRC; every other page is zero in `buf`, whatever the file stores
+    /// there. Never touches guest memory, so a lazy restore can serve guest page faults
+    /// with it. Fails, naming the first bad page, on a CRC mismatch, a page past the end of
+    /// the file (truncated since [`SnapshotImage::open`]) or a read error; `buf` then holds
+    /// nothing the guest may see.
+    pub fn read_verified(&self, region: usize, first: u64, buf: &mut [u8]) -> Result<()> {
+        let n = (buf.len() / PAGE_USIZE) as u64;
+        let image = self
+            .images
+            .get(region)
+            .ok_or_else(|| Error::Param(format!("no RAM region {region} in the snapshot")))?;
+        if !buf.len().is_multiple_of(PAGE_USIZE) || first.saturating_add(n) > image.size / PAGE_SIZE
+        {
+            return Err(Error::Param(format!(
+                "pages {first}..+{n} are not inside the RAM region at {:#x}",
+                image.guest_addr
+            )));
+        }
+        buf.fill(0);
+        let end = first + n;
+        let start = self
+            .runs
+            .partition_point(|r| (r.region, r.first + r.count) <= (region, first));
+        for run in self.runs[start..]
+            .iter()
+            .take_while(|r| r.region == region && r.first < end)
+        {
+            let from = run.first.max(first);
+            let to = (run.first + run.count).min(end);
+            let data = &mut buf
+                [((from - first) * PAGE_SIZE) as usize..((to - first) * PAGE_SIZE) as usize];
+            self.read_pages_at(data, image, from)?;
+            self.check_pages(run, from, data)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the data of pages `page..` of `image` into `buf`; a read that ends early names
+    /// the first page past the end of the file.
+    fn read_pages_at(&self, buf: &mut [u8], image: &RegionImage, page: u64) -> Result<()> {
+        let at = image.offset + page * PAGE_SIZE;
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], at + done as u64) {
+                Ok(0) => {
+                    let offset = at + (done / PAGE_USIZE * PAGE_USIZE) as u64;
+                    return Err(Error::PagePastEnd {
+                        addr: image.guest_addr + (offset - image.offset),
+                        offset,
+                        file_len: self.file.metadata().map_or(0, |m| m.len()),
+                    });
+                }
+                Ok(k) => done += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let offset = at + (done / PAGE_USIZE * PAGE_USIZE) as u64;
+                    return Err(Error::io(
+                        format!(
+                            "reading guest page {:#x} from the snapshot file (byte {offset})",
+                            image.guest_addr + (offset - image.offset)
+                        ),
+                        e,
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn check_layout(&self, layout: &Layout) -> Result<()> {
         let ranges = layout.ranges();
         if ranges.len() != self.images.len()

@@ -167,9 +167,9 @@ impl Console {
                     arrived: Arc::new(Waker::new()?),
                 });
                 let pump = buffer.clone();
-                std::thread::Builder::new()
-                    .name("virtio-con-in".into())
-                    .spawn(move || pump.pump(source))?;
+                sandbox::spawn(sandbox::Role::DeviceIo, "virtio-con-in", move || {
+                    pump.pump(source)
+                })?;
                 Some(buffer)
             }
         };

@@ -189,13 +189,11 @@ impl Worker {
             extra: handler.extra_wakers(),
             handler,
         };
-        let thread = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || {
-                let _guard = ExitGuard(state.control.clone());
-                state.run();
-                state.queues
-            })?;
+        let thread = sandbox::spawn(sandbox::Role::DeviceIo, name.clone(), move || {
+            let _guard = ExitGuard(state.control.clone());
+            state.run();
+            state.queues
+        })?;
         Ok(Worker {
             name,
             control,

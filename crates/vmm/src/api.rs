@@ -144,7 +144,9 @@ impl Api {
                 then_exit = Some(ExitReason::PowerOff);
                 Self::state_reply(RunState::Stopping)
             }),
-            Request::Snapshot { path } => sup.snapshot(&path),
+            Request::Snapshot { path } => {
+                on_migration_thread(sup, move |sup, _| sup.snapshot(&path), |_| {})
+            }
             Request::MigrateCancel => sup
                 .cancel_migration()
                 .map(|()| json!({"ok": true, "cancelled": true})),
@@ -153,7 +155,11 @@ impl Api {
                     *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
                     let _ = writeln!(stream, "{}", json!({"progress": p}));
                 };
-                let result = sup.migrate(&req, &mut progress);
+                let result = on_migration_thread(
+                    sup,
+                    move |sup, progress| sup.migrate(&req, progress),
+                    &mut progress,
+                );
                 *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = None;
                 if result.is_ok() {
                     // The destination runs the guest now: this copy must never run
@@ -175,23 +181,57 @@ impl Api {
     }
 }
 
+/// What the migration thread sends back to the API thread that started it.
+enum Step {
+    Progress(Value),
+    Done(Result<Value>),
+}
+
+/// Runs a snapshot or a migration on a thread of its own (role `migration`): the API threads,
+/// which parse what clients send, are then not allowed the file and network calls it makes.
+/// Its progress reports come back here, to `progress`, which writes them to the client.
+fn on_migration_thread(
+    supervisor: &Arc<Supervisor>,
+    work: impl FnOnce(&Supervisor, &mut dyn FnMut(Value)) -> Result<Value> + Send + 'static,
+    mut progress: impl FnMut(Value),
+) -> Result<Value> {
+    let (tx, steps) = std::sync::mpsc::channel();
+    let sup = supervisor.clone();
+    sandbox::spawn(sandbox::Role::Migration, "migration", move || {
+        let reports = tx.clone();
+        let mut report = move |p: Value| {
+            let _ = reports.send(Step::Progress(p));
+        };
+        let result = work(&sup, &mut report);
+        let _ = tx.send(Step::Done(result));
+    })
+    .map_err(|e| Error::Control(format!("cannot start the migration thread: {e}")))?;
+    for step in steps {
+        match step {
+            Step::Progress(p) => progress(p),
+            Step::Done(result) => return result,
+        }
+    }
+    Err(Error::Control(
+        "the migration thread ended without a result".into(),
+    ))
+}
+
 fn error_reply(message: &str) -> Value {
     json!({"ok": false, "error": message})
 }
 
 /// Serves the API until the process exits.
 pub fn serve(listener: UnixListener, api: Arc<Api>) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name("api".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
-                let api = api.clone();
-                let _ = std::thread::Builder::new()
-                    .name("api-conn".into())
-                    .spawn(move || serve_connection(stream, &api));
-            }
-        })?;
+    sandbox::spawn(sandbox::Role::Api, "api", move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let api = api.clone();
+            let _ = sandbox::spawn(sandbox::Role::Api, "api-conn", move || {
+                serve_connection(stream, &api)
+            });
+        }
+    })?;
     Ok(())
 }
 

@@ -14,10 +14,23 @@ pub enum IrqChipKind {
     Split,
 }
 
+impl IrqChipKind {
+    /// As `--irqchip` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            IrqChipKind::Kernel => "kernel",
+            IrqChipKind::Split => "split",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SerialOutput {
+    /// Output to stdout; input from stdin when it is a terminal.
     Stdio,
     File(PathBuf),
+    /// A Unix socket the VMM listens on: one client at a time is the console.
+    Socket(PathBuf),
     None,
 }
 
@@ -108,6 +121,8 @@ pub struct VmConfig {
     pub firmware: Option<PathBuf>,
     /// `--boot`: the disks the firmware tries, in order, as indices into `disks`.
     pub boot_order: Vec<usize>,
+    /// `--seccomp`: what the threads' system call filters do with a forbidden call.
+    pub seccomp: sandbox::Mode,
 }
 
 /// The firmware `ferrovm run` uses when a disk is given without a kernel: Debian's SeaBIOS
@@ -131,6 +146,7 @@ impl VmConfig {
             api_socket: None,
             restore_verify: false,
             restore_eager: false,
+            seccomp: sandbox::Mode::platform_default(),
             disks: Vec::new(),
             console: ConsoleConfig::Serial,
             rng: false,
@@ -268,12 +284,13 @@ pub fn parse_serial(text: &str) -> Result<SerialOutput> {
     match text {
         "stdio" => Ok(SerialOutput::Stdio),
         "none" => Ok(SerialOutput::None),
-        _ => match text.strip_prefix("file:") {
-            Some(path) if !path.is_empty() => Ok(SerialOutput::File(PathBuf::from(path))),
+        _ => match text.split_once(':') {
+            Some(("file", path)) if !path.is_empty() => Ok(SerialOutput::File(path.into())),
+            Some(("socket", path)) if !path.is_empty() => Ok(SerialOutput::Socket(path.into())),
             _ => Err(Error::Option {
                 option: "--serial",
                 value: text.to_string(),
-                reason: "expected stdio, none or file:PATH".into(),
+                reason: "expected stdio, none, file:PATH or socket:PATH".into(),
             }),
         },
     }
@@ -366,7 +383,12 @@ mod tests {
             parse_serial("file:/tmp/x").unwrap(),
             SerialOutput::File("/tmp/x".into())
         );
+        assert_eq!(
+            parse_serial("socket:/run/c.sock").unwrap(),
+            SerialOutput::Socket("/run/c.sock".into())
+        );
         assert!(parse_serial("file:").is_err());
+        assert!(parse_serial("socket:").is_err());
         assert!(parse_serial("tcp:1").is_err());
     }
 }

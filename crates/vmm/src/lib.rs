@@ -3,12 +3,14 @@
 
 pub mod api;
 pub mod config;
+mod console;
 mod control;
+mod cpu_setup;
 mod error;
 mod files;
 pub mod firmware;
-mod interrupts;
 mod ioevents;
+mod irqchip;
 mod machine;
 pub mod memory;
 mod msi;

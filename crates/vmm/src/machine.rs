@@ -12,21 +12,19 @@ use devices::debug_exit::DebugExit;
 use devices::exit::{ExitReason, ExitRequest, Waker};
 use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
-use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, NUM_PINS};
+use devices::irqchip::{IrqChip, IrqPin};
 use devices::pit::Pit;
 use devices::rtc::Rtc;
-use devices::serial::{SerialDevice, SerialOutput as SerialSink};
-use hypervisor::{
-    open_accelerator_with, AccelOptions, IrqChipMode, SegmentRegister, StandardRegisters, Vcpu,
-};
+use devices::serial::SerialDevice;
+use hypervisor::{open_accelerator_with, AccelOptions, SegmentRegister, StandardRegisters, Vcpu};
 use pci::{HostBridge, PciBus, PciLayout, Window};
 
 use crate::api::{Api, MachineInfo, MachineOps};
-use crate::config::{IrqChipKind, SerialOutput, StartFrom, VmConfig};
+use crate::config::{IrqChipKind, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::firmware;
-use crate::interrupts::{BspExtInt, KernelIrqChip, VmMsiSink};
+use crate::irqchip::MachineIrqChip;
 use crate::memory::{self, GuestMemory};
 use crate::platform::{add_virtio_devices, PciHandles, PlatformDevices, VirtioContext};
 use crate::restore::RestoreOptions;
@@ -65,6 +63,8 @@ impl Outcome {
 
 /// Builds the machine described by `config`, runs it to the end and tears it down.
 pub fn run(config: VmConfig) -> Result<Outcome> {
+    // First, so that every thread of the machine starts in its role's sandbox.
+    sandbox::start(config.seccomp)?;
     let machine = Machine::build(&config)?;
     machine.run()
 }
@@ -92,6 +92,11 @@ struct Machine {
     api: Option<(std::os::unix::net::UnixListener, MachineInfo, SocketGuard)>,
     /// COM1's output queue, drained at exit.
     serial_output: Option<Arc<devices::output::OutputQueue>>,
+    /// COM1's input (a terminal or a socket), started when the machine runs.
+    serial_input: Option<(
+        Arc<std::sync::Mutex<SerialDevice>>,
+        crate::console::SerialInput,
+    )>,
 }
 
 fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
@@ -183,30 +188,8 @@ impl Machine {
                 (regions.clone(), regions, None)
             }
         };
-        let extint = Arc::new(BspExtInt::default());
-        let (irqchip, split): (Arc<dyn IrqChip>, Option<Arc<SplitIrqChip>>) = match config.irqchip {
-            IrqChipKind::Kernel => {
-                vm.create_irqchip(IrqChipMode::Kernel)?;
-                (Arc::new(KernelIrqChip { vm: vm.clone() }), None)
-            }
-            IrqChipKind::Split => {
-                if !caps.irqchip_split {
-                    return Err(Error::Option {
-                        option: "--irqchip",
-                        value: "split".into(),
-                        reason: "the accelerator has no split irqchip".into(),
-                    });
-                }
-                vm.create_irqchip(IrqChipMode::Split {
-                    ioapic_pins: NUM_PINS as u32,
-                })?;
-                let chip = Arc::new(SplitIrqChip::new(
-                    Arc::new(VmMsiSink { vm: vm.clone() }),
-                    extint.clone(),
-                ));
-                (chip.clone(), Some(chip))
-            }
-        };
+        // Asked again now that the VM exists: bhyve probes its snapshot support on creation.
+        let irqchip = crate::irqchip::create(&vm, config.irqchip, &hv.capabilities())?;
 
         let entry = match kernel.as_mut() {
             Some(kernel) => Some(load_firmware_and_kernel(
@@ -227,14 +210,8 @@ impl Machine {
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
         let guest_memory = Arc::new(guest_memory);
-        let (pio, mmio, timers, platform) = build_buses(
-            config,
-            &exit,
-            &irqchip,
-            split.as_ref(),
-            &timer_wake,
-            caps.rtc_in_kernel,
-        )?;
+        let (pio, mmio, timers, mut platform) =
+            build_buses(config, &exit, &irqchip, &timer_wake, caps.rtc_in_kernel)?;
         let piix = match &firmware_memory {
             Some(_) => firmware::add_piix(&platform.pci)?,
             None => Vec::new(),
@@ -243,6 +220,7 @@ impl Machine {
             config,
             &VirtioContext {
                 vm: &vm,
+                irqchip: &irqchip,
                 caps: &caps,
                 memory: &guest_memory,
                 pci: &platform.pci,
@@ -258,6 +236,7 @@ impl Machine {
             firmware::attach(fw, config, &machine)?;
         }
         let serial_output = platform.serial_output.clone();
+        let serial_input = platform.serial_input.take();
         let device_list = platform.into_list(piix.into_iter().chain(functions).collect())?;
         if caps.rtc_in_kernel && (entry.is_some() || firmware_boot) {
             // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
@@ -274,8 +253,7 @@ impl Machine {
             exit,
             stop: Arc::new(AtomicBool::new(false)),
             sample_rip: rip_sample_period().is_some(),
-            split,
-            extint,
+            irqchip: irqchip.clone(),
             control: Arc::new(RunControl::default()),
         });
 
@@ -300,13 +278,11 @@ impl Machine {
             devices: device_list,
             timers: timers.gate.clone(),
             msrs: hv.msr_index_list()?,
-            kernel_irqchip: config.irqchip == IrqChipKind::Kernel,
+            irqchip: irqchip.clone(),
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
             restored: Default::default(),
             snapshot_temp: Default::default(),
-            // Asked again now that the VM exists: bhyve probes VM_SNAPSHOT_REQ on creation.
-            kernel_snapshot: hv.capabilities().kernel_snapshot != Some(false),
         });
         let api = match &config.api_socket {
             Some(path) => {
@@ -321,11 +297,11 @@ impl Machine {
             None => None,
         };
 
-        let supported_cpuid = hv.supported_cpuid()?;
+        let cpu_setup = crate::cpu_setup::CpuSetup::new(hv.as_ref())?;
         let mut vcpus = Vec::new();
         for id in 0..config.cpus {
             let vcpu = vm.create_vcpu(id)?;
-            vcpu.set_cpuid(&boot::cpuid::guest_cpuid(&supported_cpuid, id, config.cpus))?;
+            cpu_setup.configure(vcpu.as_ref(), id, config.cpus)?;
             if let (0, Some(entry)) = (id, &entry) {
                 set_boot_registers(vcpu.as_ref(), entry)?;
             }
@@ -341,6 +317,7 @@ impl Machine {
                     verify_first: config.restore_verify,
                     // Locking guest RAM reads all of it anyway: copy it in.
                     eager: config.restore_eager || config.wired,
+                    no_prefetch: RestoreOptions::no_prefetch_from_env(),
                 },
             ),
             (_, Some(listener)) => Start::Incoming(listener),
@@ -355,6 +332,7 @@ impl Machine {
             api,
             start,
             serial_output,
+            serial_input,
         })
     }
 
@@ -428,6 +406,13 @@ impl Machine {
             self.context.control.start_paused();
         }
         let signals = SignalWatch::install()?;
+        let _console = match self.serial_input.take() {
+            Some((com1, input)) => Some(input.start(com1, self.context.exit.clone())?),
+            None => None,
+        };
+        // Built, restored or received: from here on the main thread only starts, watches and
+        // stops the machine.
+        sandbox::enter(sandbox::Role::Main)?;
         let timer_thread = match self.timers.take() {
             Some(devices) if devices.has_timers() => Some(TimerThread::spawn(devices)?),
             // Nothing to drive (bhyve: the PIT and RTC are in the kernel).
@@ -439,7 +424,7 @@ impl Machine {
             match vcpu::spawn(vcpu, self.context.clone()) {
                 Ok(t) => {
                     if t.id == 0 {
-                        self.context.extint.set_kicker(t.kicker);
+                        self.context.irqchip.set_bsp_kicker(t.kicker);
                     }
                     threads.push(t)
                 }
@@ -698,17 +683,17 @@ fn unix_now_secs() -> i64 {
 fn build_buses(
     config: &VmConfig,
     exit: &Arc<ExitRequest>,
-    irqchip: &Arc<dyn IrqChip>,
-    split: Option<&Arc<SplitIrqChip>>,
+    chip: &Arc<dyn MachineIrqChip>,
     timer_wake: &Arc<TimerWake>,
     rtc_in_kernel: bool,
 ) -> Result<(Bus, Bus, TimerDevices, PlatformDevices)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
+    let irqchip: &Arc<dyn IrqChip> = &(chip.clone() as Arc<dyn IrqChip>);
     let mut pio = Bus::new();
     let mut mmio = Bus::new();
     let mut pit = None;
-    if let Some(chip) = split {
-        chip.register(&mut pio, &mut mmio).map_err(devices_err)?;
+    chip.register(&mut pio, &mut mmio)?;
+    if chip.kind() == IrqChipKind::Split {
         let mut model = Pit::new();
         model.set_waker(timer_wake.clone());
         pit = Some(model.register(&mut pio).map_err(devices_err)?);
@@ -723,25 +708,10 @@ fn build_buses(
         rtc.set_memory_sizes(below_4g, above_4g);
         Some(rtc.register(&mut pio).map_err(devices_err)?)
     };
-    let sink = match &config.serial {
-        SerialOutput::Stdio => SerialSink::Stdout,
-        SerialOutput::File(path) => SerialSink::File(path.clone()),
-        SerialOutput::None => SerialSink::Sink,
-    };
     let com1_irq = Arc::new(IrqPin::new(irqchip.clone(), devices::serial::COM1_IRQ));
-    let serial = SerialDevice::new(&sink, com1_irq).map_err(|e| Error::Option {
-        option: "--serial",
-        value: match &config.serial {
-            SerialOutput::File(path) => format!("file:{}", path.display()),
-            other => format!("{other:?}").to_lowercase(),
-        },
-        reason: e.to_string(),
-    })?;
-    let serial = serial.register_com1(&mut pio).map_err(devices_err)?;
-    let serial_output = serial
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .output_queue();
+    let com1 = crate::console::build_com1(&config.serial, com1_irq, &mut pio)?;
+    let (serial, serial_output) = (com1.device.clone(), com1.output);
+    let serial_input = com1.input.map(|input| (com1.device, input));
     DebugExit::new(exit.clone())
         .register(&mut pio)
         .map_err(devices_err)?;
@@ -779,9 +749,10 @@ fn build_buses(
     let devices = PlatformDevices {
         fw_cfg: fw_cfg_handle,
         serial_output,
+        serial_input,
         legacy,
         pci,
-        split: split.cloned(),
+        irqchip: Some(chip.clone()),
     };
     let timers = TimerDevices {
         pit,
@@ -909,6 +880,7 @@ type SignalHandler = extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc:
 
 extern "C" fn on_stop_signal(signo: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     LAST_SIGNAL.store(signo, Ordering::SeqCst);
+    crate::console::terminal::restore();
     let fd = SIGNAL_WAKE_FD.load(Ordering::SeqCst);
     if fd >= 0 {
         let one: u64 = 1;
@@ -1038,9 +1010,10 @@ mod tests {
         PlatformDevices {
             fw_cfg: Arc::new(std::sync::Mutex::new(FwCfg::new(1, 256 << 20))),
             serial_output: None,
+            serial_input: None,
             legacy: Vec::new(),
             pci: pci.clone(),
-            split: None,
+            irqchip: None,
         }
         .into_list(Vec::new())
         .unwrap()

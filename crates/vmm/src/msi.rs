@@ -11,6 +11,8 @@ use std::sync::{Arc, RwLock};
 use devices::exit::Waker;
 use hypervisor::{MsiMessage, Vm, FIRST_MSI_GSI};
 
+use crate::irqchip::MachineIrqChip;
+
 /// Hands out GSIs for device MSI routes, one per vector that is ever unmasked.
 pub struct GsiAllocator {
     next: AtomicU32,
@@ -50,15 +52,23 @@ struct VectorState {
 /// One PCI function's MSI-X vectors.
 pub struct VmMsiTarget {
     vm: Arc<dyn Vm>,
+    /// Injects the messages that have no irqfd.
+    irqchip: Arc<dyn MachineIrqChip>,
     gsis: Option<Arc<GsiAllocator>>,
     vectors: RwLock<Vec<VectorState>>,
 }
 
 impl VmMsiTarget {
     /// `gsis` is `Some` where the kernel has irqfds (`Capabilities::irqfd`).
-    pub fn new(vm: Arc<dyn Vm>, gsis: Option<Arc<GsiAllocator>>, vectors: u16) -> Self {
+    pub fn new(
+        vm: Arc<dyn Vm>,
+        irqchip: Arc<dyn MachineIrqChip>,
+        gsis: Option<Arc<GsiAllocator>>,
+        vectors: u16,
+    ) -> Self {
         VmMsiTarget {
             vm,
+            irqchip,
             gsis,
             vectors: RwLock::new((0..vectors).map(|_| VectorState::default()).collect()),
         }
@@ -118,7 +128,7 @@ impl pci::MsiTarget for VmMsiTarget {
                 }
             }
             (None, Some(msi)) => {
-                if let Err(e) = self.vm.signal_msi(msi) {
+                if let Err(e) = self.irqchip.send_msi(msi) {
                     log::warn!("MSI-X vector {vector}: {e}");
                 }
             }

@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use devices::irqchip::{IrqChip, IrqPin, SplitIrqChip, SplitIrqChipHandle};
+use devices::irqchip::{IrqChip, IrqPin};
 use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
 use hypervisor::{Capabilities, Vm};
 use pci::{HostBridge, IntxLine, IntxPin, PciBus};
@@ -14,6 +14,7 @@ use virtio::rng::Rng;
 use virtio::{IoEventRegistrar, VirtioDevice, VirtioPciDevice};
 
 use crate::config::{ConsoleConfig, DiskCache, DiskConfig, SerialOutput, VmConfig};
+use crate::console::SerialInput;
 use crate::error::{Error, Result};
 use crate::ioevents::VmIoEvents;
 use crate::memory::GuestMemory;
@@ -46,11 +47,13 @@ pub struct PlatformDevices {
     pub fw_cfg: Arc<Mutex<devices::fw_cfg::FwCfg>>,
     /// Where COM1's output waits for its writer (absent when it goes nowhere).
     pub serial_output: Option<Arc<devices::output::OutputQueue>>,
+    /// COM1 and where its input will come from, started when the machine runs.
+    pub serial_input: Option<(Arc<Mutex<devices::serial::SerialDevice>>, SerialInput)>,
     /// Serial, i8042, fw_cfg, ACPI PM, and the PIT and RTC where the VMM models them.
     pub legacy: Vec<SharedDevice>,
     pub pci: PciHandles,
-    /// Split irqchip mode only.
-    pub split: Option<Arc<SplitIrqChip>>,
+    /// The interrupt controllers (absent only in tests of other parts).
+    pub irqchip: Option<Arc<dyn crate::irqchip::MachineIrqChip>>,
 }
 
 /// The PCI bus in the lifecycle list: it records where each BAR decodes, and restoring it
@@ -80,9 +83,7 @@ impl PlatformDevices {
         let mut list = DeviceList::default();
         let bridge: SharedDevice = self.pci.host_bridge;
         let bus: SharedDevice = Arc::new(Mutex::new(PciBusLifecycle(self.pci.bus)));
-        let chip = self
-            .split
-            .map(|c| Arc::new(Mutex::new(SplitIrqChipHandle(c))) as SharedDevice);
+        let chip = self.irqchip.map(crate::irqchip::IrqChipDevice::shared);
         let ordered = self
             .legacy
             .into_iter()
@@ -100,6 +101,8 @@ impl PlatformDevices {
 /// What the virtio functions need from the machine.
 pub struct VirtioContext<'a> {
     pub vm: &'a Arc<dyn Vm>,
+    /// Injects MSIs where the kernel has no irqfd.
+    pub irqchip: &'a Arc<dyn crate::irqchip::MachineIrqChip>,
     pub caps: &'a Capabilities,
     pub memory: &'a Arc<GuestMemory>,
     pub pci: &'a PciHandles,
@@ -164,7 +167,12 @@ fn plug(
         pci::intx_gsi(slot, IntxPin::A),
     );
     let vectors = model.queue_max_sizes().len() as u16 + 1;
-    let msi = Arc::new(VmMsiTarget::new(ctx.vm.clone(), gsis, vectors));
+    let msi = Arc::new(VmMsiTarget::new(
+        ctx.vm.clone(),
+        ctx.irqchip.clone(),
+        gsis,
+        vectors,
+    ));
     let id = format!("pci-00:{slot:02x}.0");
     let function = VirtioPciDevice::new(id, model, ctx.memory.clone(), msi, intx, ioevents)
         .map_err(|e| Error::Devices(format!("{kind}: {e}")))?;
@@ -201,11 +209,12 @@ fn open_console(serial: &SerialOutput) -> Result<Console> {
     let output = match serial {
         SerialOutput::Stdio => ConsoleOutput::Stdout,
         SerialOutput::File(path) => ConsoleOutput::File(path.clone()),
-        SerialOutput::None => {
+        SerialOutput::None | SerialOutput::Socket(_) => {
             return Err(Error::Option {
                 option: "--console",
                 value: "virtio".into(),
-                reason: "the virtio console writes where --serial does, and --serial is none"
+                reason: "the virtio console writes where --serial does, which must be stdio \
+                         or a file"
                     .into(),
             })
         }

@@ -19,7 +19,7 @@ use crate::api::{MachineOps, MigrateRequest};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::memory::GuestMemory;
-use crate::restore::{self, MappedSnapshot, RestoreOptions};
+use crate::restore::{self, LazyRestore, RestoreOptions};
 use crate::runstate::MigrationCancel;
 use crate::state::{DeviceList, MachineState};
 use crate::timers::TimerGate;
@@ -50,18 +50,16 @@ pub struct Core {
     pub timers: Arc<TimerGate>,
     pub config: MigrationConfig,
     pub msrs: Vec<u32>,
-    pub kernel_irqchip: bool,
+    /// The interrupt controllers (saved with the devices; asked before a save whether
+    /// they can be).
+    pub irqchip: Arc<dyn crate::irqchip::MachineIrqChip>,
     /// Whether the kernel's manual dirty-log protect is on (decided at the first migration).
     pub manual_protect: std::sync::OnceLock<bool>,
     /// Whether the accelerator tracks dirty pages (upstream bhyve does not): without it only
     /// warm migration is possible.
     pub dirty_tracking: bool,
-    /// Whether the kernel can save its own VM state (`Capabilities::kernel_snapshot`;
-    /// bhyve: only kernels built with `options BHYVE_SNAPSHOT`). Without it, snapshots and
-    /// migrations are refused before the guest is paused.
-    pub kernel_snapshot: bool,
-    /// Set after a lazy restore: guest RAM is mapped from that snapshot file.
-    pub restored: std::sync::OnceLock<Arc<MappedSnapshot>>,
+    /// Set after a lazy restore: guest RAM is served from that snapshot file.
+    pub restored: std::sync::OnceLock<Arc<LazyRestore>>,
     /// The temporary file of a snapshot being written, removed if the machine ends first.
     pub snapshot_temp: std::sync::Mutex<SnapshotTemp>,
 }
@@ -99,15 +97,13 @@ pub fn migration_config(
 impl Core {
     /// Checked before a snapshot or migration pauses anything: fails, with the accelerator's
     /// own explanation, when the kernel cannot save the VM's in-kernel state; after a lazy
-    /// restore, waits until the snapshot's page data is known to be intact (the new copy
-    /// carries it on with fresh checksums) and fails if it is not.
+    /// restore, fails if a page of the snapshot proved bad (the guest is being stopped).
+    /// Pages not loaded yet are read through guest memory, which installs them verified, so
+    /// corrupt data never gets a fresh checksum.
     fn check_can_save(&self) -> Result<()> {
-        if self.kernel_irqchip && !self.kernel_snapshot {
-            // The backend knows it cannot and answers at once, naming what is missing.
-            self.vm.irqchip_state()?;
-        }
+        self.irqchip.check_can_save()?;
         if let Some(m) = self.restored.get() {
-            m.wait_verified()?;
+            m.check_intact()?;
         }
         Ok(())
     }
@@ -186,11 +182,8 @@ impl Core {
         Ok(MachineState {
             format: crate::state::STATE_FORMAT,
             vcpus,
-            kernel_irqchip: if self.kernel_irqchip {
-                Some(self.vm.irqchip_state()?)
-            } else {
-                None
-            },
+            // Saved with the devices (the `irqchip` device).
+            kernel_irqchip: None,
             clock: self.vm.clock()?,
             devices: self.devices.save()?,
             predates_pci: false,
@@ -701,22 +694,22 @@ pub fn peek_snapshot_config(path: &Path) -> Result<MigrationConfig> {
     }
 }
 
-/// Loads RAM and the machine state of a snapshot: maps the file's page images lazily, or
-/// loads them (see `restore.rs`). Returns the mapped snapshot after a lazy restore (its
-/// background verification, if any, is running).
+/// Loads RAM and the machine state of a snapshot: serves the file's page images lazily,
+/// verified on fault, or loads them (see `restore.rs`). Returns the lazy restore, if any
+/// (its pager is running).
 pub fn load_snapshot(
     path: &Path,
     memory: &GuestMemory,
     expected: &MigrationConfig,
     options: RestoreOptions,
     exit: &Arc<devices::exit::ExitRequest>,
-) -> Result<(MachineState, Option<Arc<MappedSnapshot>>)> {
+) -> Result<(MachineState, Option<Arc<LazyRestore>>)> {
     let loaded = restore::load(path, memory, expected, options, exit)?;
     log::info!("snapshot {} restored: {}", path.display(), loaded.figures);
     match MachineState::from_bytes(&loaded.state) {
-        Ok(state) => Ok((state, loaded.mapped)),
+        Ok(state) => Ok((state, loaded.lazy)),
         Err(e) => {
-            if let Some(m) = loaded.mapped {
+            if let Some(m) = loaded.lazy {
                 m.stop();
             }
             Err(e)

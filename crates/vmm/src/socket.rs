@@ -19,16 +19,17 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
-fn refuse(path: &Path, reason: impl Into<String>) -> Error {
+fn refuse(option: &'static str, path: &Path, reason: impl Into<String>) -> Error {
     Error::Option {
-        option: "--api-socket",
+        option,
         value: path.display().to_string(),
         reason: reason.into(),
     }
 }
 
 /// Removes a stale socket at `path`; refuses anything else that is there.
-fn clear_stale(path: &Path) -> Result<()> {
+fn clear_stale(option: &'static str, path: &Path) -> Result<()> {
+    let refuse = |path: &Path, reason: String| refuse(option, path, reason);
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
@@ -44,7 +45,10 @@ fn clear_stale(path: &Path) -> Result<()> {
         ));
     }
     match UnixStream::connect(path) {
-        Ok(_) => Err(refuse(path, "another process is serving this socket")),
+        Ok(_) => Err(refuse(
+            path,
+            "another process is serving this socket".into(),
+        )),
         // Nobody listens: a socket left by a process that is gone.
         Err(e) if e.kind() == ErrorKind::ConnectionRefused => std::fs::remove_file(path)
             .map_err(|e| refuse(path, format!("cannot remove the stale socket: {e}"))),
@@ -59,12 +63,12 @@ fn clear_stale(path: &Path) -> Result<()> {
 struct PrivateDir(PathBuf);
 
 impl PrivateDir {
-    fn beside(path: &Path) -> std::io::Result<Self> {
+    fn beside(path: &Path, tag: &str) -> std::io::Result<Self> {
         let parent = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
         };
-        let dir = parent.join(format!(".ferrovm-api.{}", std::process::id()));
+        let dir = parent.join(format!(".ferrovm-{tag}.{}", std::process::id()));
         let mut builder = std::fs::DirBuilder::new();
         std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
         builder.create(&dir)?;
@@ -80,14 +84,21 @@ impl Drop for PrivateDir {
 
 /// Binds the API socket at `path` (see the module documentation).
 pub fn bind(path: &Path) -> Result<(UnixListener, SocketGuard)> {
-    clear_stale(path)?;
-    let io_err = |e: std::io::Error| refuse(path, e.to_string());
-    let private = PrivateDir::beside(path).map_err(io_err)?;
+    bind_for(path, "--api-socket")
+}
+
+/// Binds a socket at `path` for the command-line `option` that named it, which errors
+/// name (see the module documentation).
+pub fn bind_for(path: &Path, option: &'static str) -> Result<(UnixListener, SocketGuard)> {
+    clear_stale(option, path)?;
+    let io_err = |e: std::io::Error| refuse(option, path, e.to_string());
+    let tag = option.trim_start_matches('-');
+    let private = PrivateDir::beside(path, tag).map_err(io_err)?;
     let inside = private.0.join("api.sock");
     let listener = UnixListener::bind(&inside).map_err(io_err)?;
     std::fs::set_permissions(&inside, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
     std::fs::hard_link(&inside, path).map_err(|e| match e.kind() {
-        ErrorKind::AlreadyExists => refuse(path, "another process created it meanwhile"),
+        ErrorKind::AlreadyExists => refuse(option, path, "another process created it meanwhile"),
         _ => io_err(e),
     })?;
     let meta = std::fs::symlink_metadata(path).map_err(io_err)?;

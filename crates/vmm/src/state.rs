@@ -14,8 +14,11 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 
 /// The layout of [`MachineState`] this build writes. Format 1 (no `format` field) is what
-/// builds before the device list wrote: one named field per device; it is still read.
-pub const STATE_FORMAT: u32 = 2;
+/// builds before the device list wrote: one named field per device. Format 2 kept the
+/// in-kernel interrupt controllers apart (`kernel_irqchip`) and the split ones as the device
+/// `split_irqchip`; format 3 has both modes as the one device `irqchip`. 1 and 2 are still
+/// read.
+pub const STATE_FORMAT: u32 = 3;
 
 /// A device as the machine's list holds it.
 pub type SharedDevice = Arc<Mutex<dyn Lifecycle>>;
@@ -178,7 +181,9 @@ pub struct MachineState {
     /// [`STATE_FORMAT`].
     pub format: u32,
     pub vcpus: Vec<VcpuState>,
-    /// Kernel irqchip mode: the in-kernel PIC, IOAPIC and PIT.
+    /// Formats 1 and 2 only (read, then moved into the `irqchip` device): the in-kernel PIC,
+    /// IOAPIC and PIT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel_irqchip: Option<IrqChipState>,
     pub clock: ClockData,
     /// Each device's state by its id.
@@ -238,24 +243,53 @@ impl MachineState {
                 }
                 let mut state: MachineState = serde_json::from_value(value).map_err(malformed)?;
                 state.predates_pci = true;
+                state.merge_irqchip_state()?;
+                Ok(state)
+            }
+            Some(2) => {
+                let mut state: MachineState = serde_json::from_value(value).map_err(malformed)?;
+                state.merge_irqchip_state()?;
                 Ok(state)
             }
             Some(n) if n == u64::from(STATE_FORMAT) => {
                 serde_json::from_value(value).map_err(malformed)
             }
             _ => Err(Error::State(format!(
-                "state format {} was made by a newer build (this build reads formats 1 and \
+                "state format {} was made by a newer build (this build reads formats 1 to \
                  {STATE_FORMAT})",
                 value["format"]
             ))),
         }
     }
 
+    /// Formats 1 and 2 kept the interrupt controllers apart: into the `irqchip` device.
+    fn merge_irqchip_state(&mut self) -> Result<()> {
+        use crate::irqchip::{IrqChipSavedState, IRQCHIP_ID, IRQCHIP_STATE_VERSION};
+        let saved = match (
+            self.kernel_irqchip.take(),
+            self.devices.remove("split_irqchip"),
+        ) {
+            (Some(chips), None) => IrqChipSavedState::Kernel { chips },
+            (None, Some(split)) => IrqChipSavedState::Split {
+                chips: split
+                    .parse("split irqchip", 1)
+                    .map_err(|e| Error::State(e.to_string()))?,
+            },
+            (None, None) => return Ok(()),
+            (Some(_), Some(_)) => {
+                return Err(Error::State(
+                    "malformed state: both kernel and split interrupt controllers".into(),
+                ))
+            }
+        };
+        let device = DeviceState::new(IRQCHIP_STATE_VERSION, &saved)
+            .map_err(|e| Error::State(e.to_string()))?;
+        self.devices.insert(IRQCHIP_ID.into(), device);
+        Ok(())
+    }
+
     /// Restores everything but the vCPUs (which are restored on creation) and RAM.
     pub fn restore_platform(&self, vm: &dyn Vm, devices: &DeviceList) -> Result<()> {
-        if let Some(chip) = &self.kernel_irqchip {
-            vm.set_irqchip_state(chip)?;
-        }
         let keep: &[&str] = if self.predates_pci {
             &PCI_PLATFORM_IDS
         } else {
@@ -387,7 +421,7 @@ mod tests {
                 "i8042": {"ctr": 69},
                 "rtc": null,
                 "pit": null,
-                "split_irqchip": {"pic": {}},
+                "split_irqchip": devices::irqchip::SplitIrqChipState::default(),
             },
         });
         let state = MachineState::from_bytes(&serde_json::to_vec(&v1).unwrap()).unwrap();
@@ -395,8 +429,9 @@ mod tests {
         assert_eq!(state.clock.clock_ns, 5);
         assert_eq!(
             state.devices.keys().collect::<Vec<_>>(),
-            ["i8042", "serial", "split_irqchip"]
+            ["i8042", "irqchip", "serial"]
         );
+        assert_eq!(state.devices["irqchip"].data["mode"], "split");
         assert_eq!(
             state.devices["i8042"],
             DeviceState {
@@ -407,35 +442,62 @@ mod tests {
         let again = MachineState::from_bytes(&state.to_bytes().unwrap()).unwrap();
         assert_eq!(again.devices, state.devices);
 
-        let mut v3 = serde_json::to_value(&state).unwrap();
-        v3["format"] = json!(3);
-        let err = MachineState::from_bytes(&serde_json::to_vec(&v3).unwrap())
+        let mut v4 = serde_json::to_value(&state).unwrap();
+        v4["format"] = json!(4);
+        let err = MachineState::from_bytes(&serde_json::to_vec(&v4).unwrap())
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("newer build") && err.contains("format 3"),
+            err.contains("newer build") && err.contains("format 4"),
             "{err}"
         );
+    }
+
+    /// Format 2 kept the in-kernel controllers in `kernel_irqchip`: they become the
+    /// `irqchip` device, and a state with both kinds is refused.
+    #[test]
+    fn format_2_interrupt_controllers_become_the_irqchip_device() {
+        let chips = IrqChipState {
+            backend: "kvm".into(),
+            pic_master: vec![1; 16],
+            ..Default::default()
+        };
+        let v2 = json!({
+            "format": 2,
+            "vcpus": [],
+            "kernel_irqchip": chips,
+            "clock": {"clock_ns": 5, "flags": 0},
+            "devices": {"serial": {"version": 1, "data": {"scratch": 1}}},
+        });
+        let state = MachineState::from_bytes(&serde_json::to_vec(&v2).unwrap()).unwrap();
+        assert!(state.kernel_irqchip.is_none());
+        let device = &state.devices["irqchip"];
+        assert_eq!(device.version, crate::irqchip::IRQCHIP_STATE_VERSION);
+        assert_eq!(
+            device
+                .parse::<crate::irqchip::IrqChipSavedState>("irqchip", 1)
+                .unwrap(),
+            crate::irqchip::IrqChipSavedState::Kernel { chips }
+        );
+        let written = String::from_utf8(state.to_bytes().unwrap()).unwrap();
+        assert!(!written.contains("kernel_irqchip"), "{written}");
+
+        let mut both = v2.clone();
+        both["devices"]["split_irqchip"] = json!({"version": 1, "data": {}});
+        let err = MachineState::from_bytes(&serde_json::to_vec(&both).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("both"), "{err}");
     }
 
     /// A format 1 state as builds before the device list wrote it (the device structs
     /// themselves, by field) restores into the devices of a machine of the same shape.
     #[test]
     fn format_1_device_payloads_restore_into_real_devices() {
-        use devices::irqchip::{
-            ExtIntSink, IrqPin, MsiSink, SplitIrqChip, SplitIrqChipHandle, SplitIrqChipState,
-        };
+        use devices::irqchip::{IrqPin, SplitIrqChipState};
         use devices::{acpi_pm, fw_cfg, i8042, pit, rtc, serial};
-        struct Nowhere;
-        impl MsiSink for Nowhere {
-            fn send_msi(&self, _: u64, _: u32) {}
-        }
-        impl ExtIntSink for Nowhere {
-            fn extint_pending(&self) {}
-        }
         let exit = Arc::new(devices::ExitRequest::new().unwrap());
         let no_irq = Arc::new(serial::NoIrq);
-        let chip = Arc::new(SplitIrqChip::new(Arc::new(Nowhere), Arc::new(Nowhere)));
+        let vm = Arc::new(crate::irqchip::FakeVm::default());
+        let chip = crate::irqchip::SplitMachineIrqChip::create(vm).unwrap();
         let shared: Vec<SharedDevice> = vec![
             Arc::new(Mutex::new(serial::SerialDevice::with_writer(
                 Box::new(std::io::sink()),
@@ -446,7 +508,7 @@ mod tests {
             Arc::new(Mutex::new(acpi_pm::AcpiPm::new(exit))),
             Arc::new(Mutex::new(pit::Pit::new())),
             Arc::new(Mutex::new(rtc::Rtc::new(IrqPin::new(no_irq, 8)))),
-            Arc::new(Mutex::new(SplitIrqChipHandle(chip))),
+            crate::irqchip::IrqChipDevice::shared(Arc::new(chip)),
         ];
         let mut machine = DeviceList::default();
         for d in shared {

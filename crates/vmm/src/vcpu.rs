@@ -11,12 +11,11 @@ use std::thread::JoinHandle;
 
 use devices::bus::IoDispatcher;
 use devices::exit::{ExitReason, ExitRequest};
-use devices::irqchip::SplitIrqChip;
 use hypervisor::{Vcpu, VcpuExit, VcpuKicker};
 
 use crate::control::RunControl;
 use crate::error::{Error, Result};
-use crate::interrupts::BspExtInt;
+use crate::irqchip::MachineIrqChip;
 
 /// What every vCPU thread shares with the rest of the machine.
 pub struct VcpuContext {
@@ -28,10 +27,9 @@ pub struct VcpuContext {
     /// Log each vCPU's RIP when it is kicked (`FERROVM_SAMPLE_RIP_MS`), to see where a guest
     /// that prints nothing spends its time.
     pub sample_rip: bool,
-    /// The user-space PIC and IOAPIC in split irqchip mode.
-    pub split: Option<Arc<SplitIrqChip>>,
-    /// The 8259's INTR into the BSP (split mode).
-    pub extint: Arc<BspExtInt>,
+    /// The interrupt controllers: the BSP services them before each entry (split mode's
+    /// ExtINT), IOAPIC EOI exits go to them.
+    pub irqchip: Arc<dyn MachineIrqChip>,
     pub control: Arc<RunControl>,
 }
 
@@ -46,25 +44,29 @@ pub struct VcpuThread {
 pub fn spawn(vcpu: Box<dyn Vcpu>, ctx: Arc<VcpuContext>) -> Result<VcpuThread> {
     let id = vcpu.id();
     let (tx, rx) = std::sync::mpsc::channel();
-    let handle = std::thread::Builder::new()
-        .name(format!("vcpu{id}"))
-        .spawn(move || {
-            let mut vcpu = vcpu;
-            match vcpu.bind_kicker() {
-                Ok(kicker) => {
-                    let _ = tx.send(Ok(kicker));
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
-                    return Ok(());
-                }
-            }
+    // The kick handler is installed before the vCPU's filter, which has no rt_sigaction.
+    let bind = move || {
+        let mut vcpu = vcpu;
+        let bound = vcpu.bind_kicker();
+        let ok = bound.is_ok();
+        let _ = tx.send(bound);
+        ok.then_some(vcpu)
+    };
+    let handle = sandbox::spawn_with_setup(
+        sandbox::Role::Vcpu,
+        format!("vcpu{id}"),
+        bind,
+        move |bound| {
+            let Some(mut vcpu) = bound else {
+                return Ok(());
+            };
             let result = run_loop(vcpu.as_mut(), &ctx);
             if result.is_err() {
                 ctx.exit.request(ExitReason::VcpuFailed(id));
             }
             result
-        })?;
+        },
+    )?;
     let kicker = rx
         .recv()
         .map_err(|_| Error::Vcpu {
@@ -97,9 +99,7 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
             continue;
         }
         if id == 0 {
-            if let Some(chip) = &ctx.split {
-                ctx.extint.service(chip, vcpu);
-            }
+            ctx.irqchip.service_bsp(vcpu);
         }
         let exit = match vcpu.run() {
             Ok(exit) => exit,
@@ -156,9 +156,7 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
             }
             VcpuExit::Halt | VcpuExit::Spurious => None,
             VcpuExit::IoapicEoi { vector } => {
-                if let Some(chip) = &ctx.split {
-                    chip.eoi(vector);
-                }
+                ctx.irqchip.eoi(vector);
                 None
             }
             VcpuExit::Shutdown => Some("triple fault (shutdown)".to_string()),

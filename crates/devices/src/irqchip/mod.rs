@@ -58,7 +58,6 @@ pub use pic::{Pic, PicChipState, PicState, ELCR_BASE, MASTER_BASE, PIC_PORTS, SL
 use serde::{Deserialize, Serialize};
 
 use crate::bus::{Bus, BusDevice, BusError};
-use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::serial::{IrqLine, NoIrq};
 use crate::state::StateError;
 
@@ -182,14 +181,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The I/O APIC pin ISA IRQ or GSI `gsi` reaches, if any.
-fn ioapic_pin(gsi: u32) -> Option<usize> {
+/// The PC wiring, the one place it is written: the I/O APIC pin ISA IRQ or GSI `gsi`
+/// reaches, if any. The user-space chip routes by it, and the VMM hands it to an in-kernel
+/// chip.
+pub fn ioapic_pin(gsi: u32) -> Option<usize> {
     match gsi {
         0 => Some(TIMER_IOAPIC_PIN as usize),
         2 => None, // the cascade
         g if (g as usize) < NUM_PINS => Some(g as usize),
         _ => None,
     }
+}
+
+/// The PC wiring: the 8259 input (0-15, master then slave) ISA IRQ `gsi` reaches, if any.
+pub fn pic_input(gsi: u32) -> Option<u32> {
+    (gsi < ISA_IRQS && gsi != 2).then_some(gsi)
 }
 
 /// Saved state of a [`SplitIrqChip`].
@@ -375,15 +381,15 @@ impl SplitIrqChip {
 
     fn drive(&self, gsi: u32, levels: &[bool]) {
         let pin = ioapic_pin(gsi);
-        let on_pic = gsi < ISA_IRQS && gsi != 2;
-        if pin.is_none() && !on_pic {
+        let pic = pic_input(gsi);
+        if pin.is_none() && pic.is_none() {
             self.log_bad_line(gsi);
             return;
         }
-        if on_pic {
+        if let Some(input) = pic {
             self.with_pic(|p| {
                 for &l in levels {
-                    p.set_irq(gsi, l);
+                    p.set_irq(input, l);
                 }
             });
         }
@@ -472,43 +478,6 @@ impl BusDevice for IoapicMmio {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         self.chip.ioapic_write(offset, data);
-    }
-}
-
-/// Layout version of the state [`Lifecycle::save`] writes: a [`SplitIrqChipState`].
-pub const SPLIT_IRQCHIP_STATE_VERSION: u32 = 1;
-
-/// The split irqchip as an entry of the machine's device list. The chip itself is shared
-/// (buses, interrupt lines, the BSP's ExtINT path) and locks inside, so the list holds a
-/// handle on it rather than the chip.
-pub struct SplitIrqChipHandle(pub Arc<SplitIrqChip>);
-
-/// The chip delivers only when a line changes or a vCPU acknowledges or EOIs, never on its
-/// own: pause and resume have nothing to do.
-impl Lifecycle for SplitIrqChipHandle {
-    fn id(&self) -> String {
-        "split_irqchip".into()
-    }
-
-    fn save(&self) -> Result<DeviceState, LifecycleError> {
-        DeviceState::new(SPLIT_IRQCHIP_STATE_VERSION, &self.0.state())
-    }
-
-    fn restore(&mut self, state: &DeviceState) -> Result<(), StateError> {
-        self.0
-            .restore(&state.parse("split irqchip", SPLIT_IRQCHIP_STATE_VERSION)?)
-    }
-
-    /// Both controllers as created: 8259s uninitialized, I/O APIC pins masked (its routes
-    /// republished, so the kernel forgets the old ones).
-    fn reset(&mut self) {
-        let power_on = SplitIrqChipState {
-            pic: Pic::new().state(),
-            ioapic: Ioapic::new().state(),
-        };
-        if let Err(e) = self.0.restore(&power_on) {
-            log::error!("split irqchip reset refused its own power-on state: {e}");
-        }
     }
 }
 

@@ -9,8 +9,8 @@ use super::exit::build;
 use super::fake::{Call, FakeControl, FakeKernel};
 use super::{BhyveHypervisor, BhyveOptions, BhyveVcpu, BhyveVm};
 use crate::{
-    Hypervisor, HypervisorError, IrqChipMode, MemoryRegion, MpState, MsiMessage, SegmentRegister,
-    SpecialRegisters, StandardRegisters, Vcpu, VcpuExit, Vm,
+    Hypervisor, HypervisorError, IrqChipMode, IrqChipPin, IrqRoute, MemoryRegion, MpState,
+    MsiMessage, SegmentRegister, SpecialRegisters, StandardRegisters, Vcpu, VcpuExit, Vm,
 };
 
 struct Setup {
@@ -826,6 +826,43 @@ fn special_registers_round_trip_through_descriptors() {
 fn interrupt_lines_and_msis() {
     let s = setup(Abi::FreeBsd15);
     let vm: &dyn Vm = s.vm.as_ref();
+    // Before any routes, an ISA IRQ reaches the 8259 only.
+    vm.set_irq_line(3, true).unwrap();
+    let pc = |gsi: u32, pin: u32| {
+        let pic = if gsi < 8 {
+            IrqChipPin::PicMaster(gsi)
+        } else {
+            IrqChipPin::PicSlave(gsi - 8)
+        };
+        [
+            IrqRoute { gsi, pin: pic },
+            IrqRoute {
+                gsi,
+                pin: IrqChipPin::Ioapic(pin),
+            },
+        ]
+    };
+    let wiring: Vec<IrqRoute> = [(0, 2), (4, 4), (9, 9)]
+        .into_iter()
+        .flat_map(|(gsi, pin)| pc(gsi, pin))
+        .chain([IrqRoute {
+            gsi: 20,
+            pin: IrqChipPin::Ioapic(20),
+        }])
+        .collect();
+    vm.set_irqchip_routes(&wiring).unwrap();
+    for bad in [
+        IrqRoute {
+            gsi: 3,
+            pin: IrqChipPin::PicMaster(4),
+        },
+        IrqRoute {
+            gsi: 20,
+            pin: IrqChipPin::Ioapic(21),
+        },
+    ] {
+        assert_unsupported(vm.set_irqchip_routes(&[bad]));
+    }
     vm.set_irq_line(4, true).unwrap();
     vm.set_irq_line(4, false).unwrap();
     vm.set_irq_line(0, true).unwrap();
@@ -839,6 +876,7 @@ fn interrupt_lines_and_msis() {
     assert_eq!(
         got,
         vec![
+            (abi::VM_ISA_ASSERT_IRQ, isa(3, -1)),
             (abi::VM_ISA_ASSERT_IRQ, isa(4, 4)),
             (abi::VM_ISA_DEASSERT_IRQ, isa(4, 4)),
             (abi::VM_ISA_ASSERT_IRQ, isa(0, 2)),

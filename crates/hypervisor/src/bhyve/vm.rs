@@ -52,7 +52,16 @@ pub(crate) struct VmShared {
     vcpus: AtomicU32,
     /// Whether the kernel has VM_SNAPSHOT_REQ (probed when the VM is created).
     pub snapshot: snapshot::Support,
+    /// The I/O APIC pin each ISA IRQ also reaches (`NOT_ROUTED`: the 8259 only), as the
+    /// VMM's `set_irqchip_routes` wired it.
+    isa_ioapic_pins: [AtomicU32; ISA_IRQS as usize],
 }
+
+/// ISA IRQs, which vmm.ko delivers to an 8259 input and an I/O APIC pin together.
+const ISA_IRQS: u32 = 16;
+/// Pins of vmm.ko's I/O APIC.
+const IOAPIC_PINS: u32 = 32;
+const NOT_ROUTED: u32 = u32::MAX;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -353,6 +362,7 @@ impl BhyveVm {
                 startup_cv: Condvar::new(),
                 vcpus: AtomicU32::new(0),
                 snapshot: snapshot::Support::default(),
+                isa_ioapic_pins: std::array::from_fn(|_| AtomicU32::new(NOT_ROUTED)),
             }),
         }
     }
@@ -443,13 +453,43 @@ impl BhyveVm {
     }
 }
 
-/// The IOAPIC pin an ISA IRQ reaches, as ferrovm's MADT declares it (IRQ 0 -> pin 2).
-fn ioapic_pin_of_isa_irq(irq: u32) -> u32 {
-    if irq == 0 {
-        2
-    } else {
-        irq
+impl BhyveVm {
+    /// The I/O APIC pin ISA IRQ `irq` reaches, -1 for none (vmm.ko's convention).
+    fn ioapic_pin_of_isa_irq(&self, irq: u32) -> i32 {
+        let pins = &self.shared.isa_ioapic_pins;
+        match pins.get(irq as usize).map(|p| p.load(Ordering::Acquire)) {
+            Some(pin) if pin != NOT_ROUTED => pin as i32,
+            _ => -1,
+        }
     }
+}
+
+/// Checks `routes` against what vmm.ko can wire: ISA IRQ n on 8259 input n (its ISA
+/// ioctls pair them) and at most one I/O APIC pin; a higher GSI on the pin of its number.
+/// Returns the I/O APIC pin of each ISA IRQ.
+fn isa_wiring(routes: &[crate::IrqRoute]) -> Result<[u32; ISA_IRQS as usize]> {
+    use crate::IrqChipPin::*;
+    let mut pins = [NOT_ROUTED; ISA_IRQS as usize];
+    for route in routes {
+        let gsi = route.gsi;
+        let fits = match route.pin {
+            PicMaster(pin) => gsi < 8 && pin == gsi,
+            PicSlave(pin) => (8..ISA_IRQS).contains(&gsi) && pin == gsi - 8,
+            Ioapic(pin) if gsi < ISA_IRQS && pin < IOAPIC_PINS => {
+                let first = pins[gsi as usize] == NOT_ROUTED;
+                pins[gsi as usize] = pin;
+                first
+            }
+            Ioapic(pin) => pin == gsi && pin < IOAPIC_PINS,
+        };
+        if !fits {
+            return unsupported(
+                &format!("the interrupt route {route:?}"),
+                "vmm.ko pairs ISA IRQ n with 8259 input n and a GSI above 15 with its own pin",
+            );
+        }
+    }
+    Ok(pins)
 }
 
 impl Vm for BhyveVm {
@@ -564,6 +604,16 @@ impl Vm for BhyveVm {
         }
     }
 
+    /// vmm.ko's 8259 pair and I/O APIC are wired by each ISA ioctl's arguments: the routes
+    /// are kept here and given with every line change.
+    fn set_irqchip_routes(&self, routes: &[crate::IrqRoute]) -> Result<()> {
+        let pins = isa_wiring(routes)?;
+        for (slot, pin) in self.shared.isa_ioapic_pins.iter().zip(pins) {
+            slot.store(pin, Ordering::Release);
+        }
+        Ok(())
+    }
+
     fn create_vcpu(&self, id: u32) -> Result<Box<dyn Vcpu>> {
         Ok(Box::new(self.create_bhyve_vcpu(id)?))
     }
@@ -586,7 +636,7 @@ impl Vm for BhyveVm {
                 request,
                 &mut abi::VmIsaIrq {
                     atpic_irq: gsi as i32,
-                    ioapic_irq: ioapic_pin_of_isa_irq(gsi) as i32,
+                    ioapic_irq: self.ioapic_pin_of_isa_irq(gsi),
                 },
             )
         } else {

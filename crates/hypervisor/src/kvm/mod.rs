@@ -25,9 +25,9 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::kick;
 use crate::{
     AccelKind, Capabilities, ClockData, CpuidEntry, FpuState, Hypervisor, HypervisorError,
-    IoEventAddress, IrqChipMode, IrqChipState, LapicState, MemoryRegion, MpState, MsiMessage,
-    MsrEntry, Result, SpecialRegisters, StandardRegisters, Vcpu, VcpuEvents, VcpuExit, VcpuKicker,
-    Vm, Xcr, XsaveState, LAPIC_REGS_SIZE,
+    IoEventAddress, IrqChipMode, IrqChipState, IrqRoute, LapicState, MemoryRegion, MpState,
+    MsiMessage, MsrEntry, Result, SpecialRegisters, StandardRegisters, Vcpu, VcpuEvents, VcpuExit,
+    VcpuKicker, Vm, Xcr, XsaveState, LAPIC_REGS_SIZE,
 };
 use convert::*;
 use routes::GsiRoutes;
@@ -41,6 +41,16 @@ vmm_sys_util::ioctl_iow_nr!(
     0x86,
     kvm_bindings::kvm_interrupt
 );
+
+// KVM_X86_GET_MCE_CAP_SUPPORTED and KVM_X86_SETUP_MCE are missing from kvm-ioctls:
+// `_IOR(KVMIO, 0x9d, __u64)` on the system fd, `_IOW(KVMIO, 0x9c, __u64)` on a vCPU.
+vmm_sys_util::ioctl_ior_nr!(
+    KVM_X86_GET_MCE_CAP_SUPPORTED,
+    kvm_bindings::KVMIO,
+    0x9d,
+    u64
+);
+vmm_sys_util::ioctl_iow_nr!(KVM_X86_SETUP_MCE, kvm_bindings::KVMIO, 0x9c, u64);
 
 /// `struct kvm_clear_dirty_log` (x86-64), which kvm-bindings does not carry for x86.
 #[repr(C)]
@@ -201,6 +211,60 @@ impl Hypervisor for KvmHypervisor {
             .get_msr_index_list()
             .map_err(ioctl_err("KVM_GET_MSR_INDEX_LIST"))?;
         Ok(list.as_slice().to_vec())
+    }
+
+    fn feature_msrs(&self, indices: &[u32]) -> Result<Vec<MsrEntry>> {
+        if !self.kvm.check_extension(Cap::GetMsrFeatures) {
+            return Ok(Vec::new());
+        }
+        let offered = self
+            .kvm
+            .get_msr_feature_index_list()
+            .map_err(ioctl_err("KVM_GET_MSR_FEATURE_INDEX_LIST"))?;
+        let wanted: Vec<MsrEntry> = indices
+            .iter()
+            .filter(|i| offered.as_slice().contains(i))
+            .map(|&index| MsrEntry { index, data: 0 })
+            .collect();
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut msrs = msr_entries(&wanted)?;
+        let read = self
+            .kvm
+            .get_msrs(&mut msrs)
+            .map_err(ioctl_err("KVM_GET_MSRS (feature MSRs)"))?;
+        Ok(msrs.as_slice()[..read.min(wanted.len())]
+            .iter()
+            .map(|e| MsrEntry {
+                index: e.index,
+                data: e.data,
+            })
+            .collect())
+    }
+
+    fn supported_mcg_cap(&self) -> Result<Option<u64>> {
+        // KVM_CAP_MCE answers the number of banks; the ioctl, the other MCG_CAP bits.
+        let banks = self.kvm.check_extension_int(Cap::Mce);
+        if banks <= 0 {
+            return Ok(None);
+        }
+        let mut cap: u64 = 0;
+        // SAFETY: the kernel writes one u64 into `cap`, which outlives the call.
+        let rc = unsafe {
+            vmm_sys_util::ioctl::ioctl_with_mut_ref(
+                &self.kvm,
+                KVM_X86_GET_MCE_CAP_SUPPORTED(),
+                &mut cap,
+            )
+        };
+        if rc < 0 {
+            return Err(HypervisorError::ioctl(
+                "KVM_X86_GET_MCE_CAP_SUPPORTED",
+                vmm_sys_util::errno::Error::last(),
+            ));
+        }
+        Ok(Some((cap & !0xff) | (banks as u64).min(0xff)))
     }
 }
 
@@ -418,10 +482,6 @@ impl Vm for KvmVm {
                 self.fd
                     .create_irq_chip()
                     .map_err(ioctl_err("KVM_CREATE_IRQCHIP"))?;
-                self.update_routes(|routes| {
-                    routes.set_pc_wiring();
-                    Ok(())
-                })?;
                 let pit = kvm_pit_config {
                     flags: KVM_PIT_SPEAKER_DUMMY,
                     ..Default::default()
@@ -441,6 +501,10 @@ impl Vm for KvmVm {
                     .map_err(ioctl_err("KVM_ENABLE_CAP(KVM_CAP_SPLIT_IRQCHIP)"))
             }
         }
+    }
+
+    fn set_irqchip_routes(&self, routes: &[IrqRoute]) -> Result<()> {
+        self.update_routes(|table| table.set_irqchip_routes(routes))
     }
 
     fn create_vcpu(&self, id: u32) -> Result<Box<dyn Vcpu>> {
@@ -813,6 +877,19 @@ fn msr_entries(msrs: &[MsrEntry]) -> Result<Msrs> {
 impl Vcpu for KvmVcpu {
     fn id(&self) -> u32 {
         self.id
+    }
+
+    fn setup_machine_check(&self, mcg_cap: u64) -> Result<()> {
+        // SAFETY: the kernel reads one u64 from `mcg_cap`, which outlives the call.
+        let rc =
+            unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_X86_SETUP_MCE(), &mcg_cap) };
+        if rc < 0 {
+            return Err(HypervisorError::ioctl(
+                "KVM_X86_SETUP_MCE",
+                vmm_sys_util::errno::Error::last(),
+            ));
+        }
+        Ok(())
     }
 
     fn run(&mut self) -> Result<VcpuExit<'_>> {

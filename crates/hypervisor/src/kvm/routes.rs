@@ -13,7 +13,10 @@ use kvm_bindings::{
     KVM_IRQ_ROUTING_MSI, KVM_MAX_IRQ_ROUTES,
 };
 
-use crate::{HypervisorError, MsiMessage, Result, FIRST_MSI_GSI};
+use crate::{HypervisorError, IrqChipPin, IrqRoute, MsiMessage, Result, FIRST_MSI_GSI};
+
+/// Pins of KVM's in-kernel I/O APIC.
+const KVM_IOAPIC_NUM_PINS: u32 = 24;
 
 /// Both owners' routes, as last written to the kernel.
 #[derive(Clone, Default)]
@@ -50,24 +53,26 @@ fn irqchip_entry(gsi: u32, irqchip: u32, pin: u32) -> kvm_irq_routing_entry {
 }
 
 impl GsiRoutes {
-    /// Kernel irqchip mode: the PC wiring of the in-kernel controllers, as ferrovm's MADT and
-    /// MP table declare it. ISA IRQ n reaches PIC input n and IOAPIC pin n, except IRQ 0 (the
-    /// PIT), which the IOAPIC sees on pin 2. (KVM's default table sends IRQ 0 to pin 0.)
-    pub fn set_pc_wiring(&mut self) {
-        let mut entries = Vec::new();
-        for irq in (0..16u32).filter(|&irq| irq != 2) {
-            let (chip, pin) = if irq < 8 {
-                (KVM_IRQCHIP_PIC_MASTER, irq)
-            } else {
-                (KVM_IRQCHIP_PIC_SLAVE, irq - 8)
+    /// Kernel irqchip mode: the lines of the in-kernel 8259 pair and I/O APIC, as the VMM
+    /// wires them (KVM's default table, which sends GSI 0 to pin 0, is replaced).
+    pub fn set_irqchip_routes(&mut self, routes: &[IrqRoute]) -> Result<()> {
+        let mut entries = Vec::with_capacity(routes.len());
+        for route in routes {
+            let (chip, pin, pins) = match route.pin {
+                IrqChipPin::PicMaster(pin) => (KVM_IRQCHIP_PIC_MASTER, pin, 8),
+                IrqChipPin::PicSlave(pin) => (KVM_IRQCHIP_PIC_SLAVE, pin, 8),
+                IrqChipPin::Ioapic(pin) => (KVM_IRQCHIP_IOAPIC, pin, KVM_IOAPIC_NUM_PINS),
             };
-            entries.push(irqchip_entry(irq, chip, pin));
-        }
-        for gsi in (0..FIRST_MSI_GSI).filter(|&gsi| gsi != 2) {
-            let pin = if gsi == 0 { 2 } else { gsi };
-            entries.push(irqchip_entry(gsi, KVM_IRQCHIP_IOAPIC, pin));
+            if route.gsi >= FIRST_MSI_GSI || pin >= pins {
+                return Err(HypervisorError::Invalid(format!(
+                    "irqchip route {route:?}: the controllers own GSIs below {FIRST_MSI_GSI}, \
+                     and this chip has {pins} inputs"
+                )));
+            }
+            entries.push(irqchip_entry(route.gsi, chip, pin));
         }
         self.base = entries;
+        Ok(())
     }
 
     /// Split irqchip mode: the MSI each user-space IOAPIC pin sends (GSI = pin).
@@ -140,14 +145,47 @@ mod tests {
     }
 
     #[test]
-    fn pc_wiring_sends_irq0_to_ioapic_pin_2_and_skips_the_cascade() {
+    fn irqchip_routes_become_irqchip_entries_and_bad_ones_are_refused() {
         let mut routes = GsiRoutes::default();
-        routes.set_pc_wiring();
-        let entries = summary(&routes);
-        // 15 PIC inputs and 23 IOAPIC pins.
-        assert_eq!(entries.len(), 15 + 23);
-        assert!(entries.contains(&(0, KVM_IRQ_ROUTING_IRQCHIP, 2)));
-        assert!(!entries.iter().any(|&(gsi, _, _)| gsi == 2));
+        let wiring = [
+            IrqRoute {
+                gsi: 0,
+                pin: IrqChipPin::PicMaster(0),
+            },
+            IrqRoute {
+                gsi: 0,
+                pin: IrqChipPin::Ioapic(2),
+            },
+            IrqRoute {
+                gsi: 9,
+                pin: IrqChipPin::PicSlave(1),
+            },
+        ];
+        routes.set_irqchip_routes(&wiring).unwrap();
+        assert_eq!(
+            summary(&routes),
+            vec![
+                (0, KVM_IRQ_ROUTING_IRQCHIP, 0),
+                (0, KVM_IRQ_ROUTING_IRQCHIP, 2),
+                (9, KVM_IRQ_ROUTING_IRQCHIP, 1)
+            ]
+        );
+        for bad in [
+            IrqRoute {
+                gsi: 24,
+                pin: IrqChipPin::Ioapic(1),
+            },
+            IrqRoute {
+                gsi: 3,
+                pin: IrqChipPin::PicMaster(8),
+            },
+            IrqRoute {
+                gsi: 3,
+                pin: IrqChipPin::Ioapic(24),
+            },
+        ] {
+            assert!(routes.set_irqchip_routes(&[bad]).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
