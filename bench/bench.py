@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ferrovm benchmarks against QEMU and a raw KVM_RUN loop, measured in one run.
 
-    bench/bench.py [--quick] [--only startup,exits,memory,migration,workloads,restore,blk]
+    bench/bench.py [--quick] [--only startup,exits,memory,migration,workloads,restore,blk,firmware]
                    [--out target/bench/results.json]
 
 Writes every sample to the JSON file; bench/report.py turns it into docs/benchmarks.md
@@ -645,6 +645,56 @@ def bench_blk(cfg, hz):
 
 
 # ---------------------------------------------------------------------------------------
+# 8. firmware boot
+
+SEABIOS = "/usr/share/seabios/bios-256k.bin"
+
+
+def firmware_cmd(vmm, disk):
+    if vmm == "ferrovm":
+        return [FERROVM, "run", "--disk", f"{disk},readonly", "--memory", "256M",
+                "--firmware", SEABIOS]
+    return QEMU_BASE + ["-M", "pc", "-m", "256", "-serial", "stdio", "-bios", SEABIOS,
+                        "-drive", f"file={disk},if=none,id=d,format=raw,readonly=on",
+                        "-device", "virtio-blk-pci,drive=d,disable-legacy=on"]
+
+
+def time_to_bootsector(cmd):
+    """Process start -> the boot sector's first line on the console, and -> exit, in s."""
+    t0 = time.perf_counter_ns()
+    p = subprocess.Popen(cmd, stdin=DEVNULL, stdout=subprocess.PIPE, stderr=DEVNULL, bufsize=0)
+    fd = p.stdout.fileno()
+    first, got = None, b""
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        got += chunk
+        if first is None and b"bootsect:" in got:
+            first = time.perf_counter_ns()
+    status = p.wait()
+    t_exit = time.perf_counter_ns()
+    if status != 1 or first is None or b"bootsect: PASS" not in got:
+        raise RuntimeError(f"{cmd[0]}: status {status}, console {got[-300:]!r}")
+    return (first - t0) / 1e9, (t_exit - t0) / 1e9
+
+
+def bench_firmware(cfg):
+    vmms = ["ferrovm", "qemu-pc"]
+    disk = str(GUESTS / "bootsect.img")
+    res = {v: {"bootsector_s": [], "exit_s": []} for v in vmms}
+    for r in range(cfg["firmware_rounds"]):
+        for v in rotate(vmms, r):
+            first, ex = time_to_bootsector(firmware_cmd(v, disk))
+            res[v]["bootsector_s"].append(first)
+            res[v]["exit_s"].append(ex)
+        log(f"firmware round {r + 1}/{cfg['firmware_rounds']}: "
+            + ", ".join(f"{v} {res[v]['bootsector_s'][-1]:.2f} s" for v in vmms))
+    return {"disk": "bootsect.img", "firmware": SEABIOS, "memory_mib": 256, "vmms": res,
+            "measured": time.strftime("%Y-%m-%d %H:%M %Z"), "ferrovm_commit": commit()}
+
+
+# ---------------------------------------------------------------------------------------
 
 def config(quick):
     cfg = {
@@ -655,6 +705,7 @@ def config(quick):
         "restore_rounds": 5, "restore_mem_mib": 1024, "restore_touch_mib": [256, 896],
         "blk_rounds": 6, "blk_ms": 1000, "blk_mib": 256, "blk_seq_bs": 262144, "blk_seq_qd": 4,
         "blk_image_gib": 1, "blk_wait": "hlt", "blk_two_queues": True,
+        "firmware_rounds": 5,
         "migration_cases": (
             [{"link": "loopback", "guest": "migrate-idle", "gib": g, "runs": 5} for g in (1, 2, 4, 8)]
             + [{"link": "loopback", "guest": "migrate-dirty", "gib": 2, "mib": 256, "runs": 2}]
@@ -668,7 +719,7 @@ def config(quick):
             "startup_rounds": 3, "exit_rounds": 2, "exit_n": 2000, "exit_reps": 2,
             "memory_rounds": 2, "work_rounds": 1, "work_reps": 2,
             "restore_rounds": 2, "restore_touch_mib": [896],
-            "blk_rounds": 2, "blk_ms": 300,
+            "blk_rounds": 2, "blk_ms": 300, "firmware_rounds": 1,
             "migration_cases": [
                 {"link": "loopback", "guest": "migrate-idle", "gib": 1, "runs": 1},
                 {"link": "1gbit", "guest": "migrate-idle", "gib": 1, "runs": 1},
@@ -677,7 +728,7 @@ def config(quick):
     return cfg
 
 
-ALL_SECTIONS = "startup,exits,memory,migration,workloads,restore,blk"
+ALL_SECTIONS = "startup,exits,memory,migration,workloads,restore,blk,firmware"
 
 
 def main():
@@ -710,7 +761,7 @@ def main():
     steps = [("startup", lambda: bench_startup(cfg)), ("exits", lambda: bench_exits(cfg, hz)),
              ("memory", lambda: bench_memory(cfg)), ("workloads", lambda: bench_workloads(cfg, hz)),
              ("migration", lambda: bench_migration(cfg)), ("restore", lambda: bench_restore(cfg)),
-             ("blk", lambda: bench_blk(cfg, hz))]
+             ("blk", lambda: bench_blk(cfg, hz)), ("firmware", lambda: bench_firmware(cfg))]
     for name, fn in steps:
         if name in only:
             t = time.monotonic()

@@ -25,6 +25,8 @@ apt_install() {
 
 # QEMU: Debian's qemu-system-x86.
 command -v qemu-system-x86_64 >/dev/null || apt_install qemu-system-x86
+# SeaBIOS for the firmware-boot figures (QEMU's own copy comes from the same package).
+[ -f /usr/share/seabios/bios-256k.bin ] || apt_install seabios
 command -v tc >/dev/null || apt_install iproute2
 command -v gcc >/dev/null || apt_install gcc libc6-dev make
 

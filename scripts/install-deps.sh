@@ -14,6 +14,8 @@ ldconfig -p 2>/dev/null | grep 'libclang[-.0-9]*\.so' >/dev/null || need_apt+=(l
 [ -e /usr/include/linux/userfaultfd.h ] || need_apt+=(linux-libc-dev)
 # scripts/seccomp-profile.sh traces the VMM's threads with it.
 command -v strace >/dev/null || need_apt+=(strace)
+# Debian's SeaBIOS: the default firmware of `ferrovm run --disk` and tests/firmware.rs.
+[ -f /usr/share/seabios/bios-256k.bin ] || need_apt+=(seabios)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "installing Debian packages: ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive

@@ -219,7 +219,7 @@ fn pci_routing_table() -> aml::PackageBuilder {
 }
 
 /// `\_SB.PCI0`, the host bridge of bus 0, for `mem_size` bytes of RAM.
-fn pci_root_bridge(mem_size: u64) -> RawAml {
+fn pci_root_bridge(mem_size: u64, mmio32_end: u64) -> RawAml {
     let hid = aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0A08"));
     let cid = aml::Name::new("_CID".into(), &aml::EISAName::new("PNP0A03"));
     let seg = aml::Name::new("_SEG".into(), &aml::ZERO);
@@ -237,6 +237,15 @@ fn pci_root_bridge(mem_size: u64) -> RawAml {
         (PCI_MMIO32_START + PCI_MMIO32_SIZE - 1) as u32,
         None,
     );
+    // Firmware machines decode BARs above ECAM too, up to the IOAPIC.
+    let ecam_end = PCI_ECAM_START + PCI_ECAM_SIZE;
+    let above_ecam = aml::AddressSpace::new_memory(
+        aml::AddressSpaceCacheable::NotCacheable,
+        true,
+        ecam_end as u32,
+        mmio32_end.saturating_sub(1) as u32,
+        None,
+    );
     let high = pci_mmio64_start(mem_size);
     let mmio64 = aml::AddressSpace::new_memory(
         aml::AddressSpaceCacheable::Cacheable,
@@ -245,10 +254,12 @@ fn pci_root_bridge(mem_size: u64) -> RawAml {
         high + (PCI_MMIO64_SIZE - 1),
         None,
     );
-    let crs = aml::Name::new(
-        "_CRS".into(),
-        &aml::ResourceTemplate::new(vec![&bus, &config, &io_low, &io_high, &mmio32, &mmio64]),
-    );
+    let mut windows: Vec<&dyn Aml> = vec![&bus, &config, &io_low, &io_high, &mmio32];
+    if mmio32_end > ecam_end {
+        windows.push(&above_ecam);
+    }
+    windows.push(&mmio64);
+    let crs = aml::Name::new("_CRS".into(), &aml::ResourceTemplate::new(windows));
     let prt = aml::Name::new("_PRT".into(), &pci_routing_table());
     let pci0 = aml::Device::new(
         "PCI0".into(),
@@ -272,7 +283,7 @@ fn ecam_reservation() -> RawAml {
 
 /// The DSDT: `\_S5_` and, under `\_SB_`, COM1, the ACPI PM I/O ports (with the PM timer
 /// wherever it is) as motherboard resources, the PCI root bridge and the ECAM reservation.
-fn dsdt(pm_timer_port: u16, mem_size: u64) -> Vec<u8> {
+fn dsdt(pm_timer_port: u16, mem_size: u64, mmio32_end: u64) -> Vec<u8> {
     let s5 = aml::Name::new(
         "\\_S5_".into(),
         &aml::Package::new(vec![&S5_SLP_TYP, &S5_SLP_TYP, &aml::ZERO, &aml::ZERO]),
@@ -299,7 +310,7 @@ fn dsdt(pm_timer_port: u16, mem_size: u64) -> Vec<u8> {
     let pm_crs = aml::Name::new("_CRS".into(), &aml::ResourceTemplate::new(pm_resources));
     let pm = aml::Device::new("PMIO".into(), vec![&pm_hid, &pm_uid, &pm_crs]);
 
-    let pci0 = pci_root_bridge(mem_size);
+    let pci0 = pci_root_bridge(mem_size, mmio32_end);
     let ecam = ecam_reservation();
     let sb = aml::Scope::new("\\_SB_".into(), vec![&com1, &pm, &pci0, &ecam]);
 
@@ -398,11 +409,28 @@ impl AcpiTables {
     /// PCI window). The FADT points at the PM timer on `pm_timer_port`: [`PM_TMR_BLK`]
     /// when the VMM provides it, the kernel's port otherwise.
     pub fn new(cpus: u32, mem_size: u64, pm_timer_port: u16) -> Result<Self, AcpiError> {
+        Self::with_mmio32_end(
+            cpus,
+            mem_size,
+            pm_timer_port,
+            PCI_MMIO32_START + PCI_MMIO32_SIZE,
+        )
+    }
+
+    /// Like [`AcpiTables::new`], for a machine whose 32-bit BAR window runs on past ECAM
+    /// up to `mmio32_end` (a firmware machine: BIOS firmware places BARs below the IOAPIC):
+    /// the root bridge gets a second 32-bit window from the end of ECAM.
+    pub fn with_mmio32_end(
+        cpus: u32,
+        mem_size: u64,
+        pm_timer_port: u16,
+        mmio32_end: u64,
+    ) -> Result<Self, AcpiError> {
         if cpus == 0 || cpus > MAX_CPUS {
             return Err(AcpiError::CpuCount(cpus));
         }
         Ok(AcpiTables {
-            dsdt: dsdt(pm_timer_port, mem_size),
+            dsdt: dsdt(pm_timer_port, mem_size, mmio32_end),
             facs: bytes_of(&FACS::new()),
             madt: madt(cpus),
             mcfg: mcfg(),
@@ -998,5 +1026,24 @@ mod tests {
             create_acpi_tables(&mem, 1, MIN_MEM_SIZE, PM_TMR_BLK).unwrap(),
             RSDP_ADDR
         );
+    }
+
+    #[test]
+    fn firmware_window_above_ecam() {
+        let plain = AcpiTables::new(1, 256 * MIB, PM_TMR_BLK).unwrap();
+        let fw = AcpiTables::with_mmio32_end(1, 256 * MIB, PM_TMR_BLK, 0xfec0_0000).unwrap();
+        // DWordMemory: tag 0x87; minimum and maximum at bytes 10 and 14 of the descriptor.
+        let window = |dsdt: &[u8], min: u32, max: u32| {
+            dsdt.windows(18).any(|w| {
+                w[0] == 0x87
+                    && u32::from_le_bytes(w[10..14].try_into().unwrap()) == min
+                    && u32::from_le_bytes(w[14..18].try_into().unwrap()) == max
+            })
+        };
+        assert!(window(&plain.dsdt, 0xc000_0000, 0xdfff_ffff));
+        assert!(!window(&plain.dsdt, 0xe010_0000, 0xfebf_ffff));
+        assert!(window(&fw.dsdt, 0xc000_0000, 0xdfff_ffff));
+        assert!(window(&fw.dsdt, 0xe010_0000, 0xfebf_ffff));
+        assert_eq!(fw.madt, plain.madt);
     }
 }

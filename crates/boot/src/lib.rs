@@ -16,6 +16,7 @@ pub mod loader;
 pub mod mptable;
 pub mod msr;
 pub mod multiboot;
+pub mod table_loader;
 
 #[cfg(test)]
 mod loader_props;

@@ -19,7 +19,9 @@
 //! | ports | device |
 //! | --- | --- |
 //! | 0x60, 0x64 | [`i8042::I8042`] (reset) |
+//! | 0x92 | [`port92::Port92`] (fast A20 and reset; firmware machines) |
 //! | 0xf4 | [`debug_exit::DebugExit`] |
+//! | 0x402 | [`debugcon::DebugCon`] (firmware log; firmware machines) |
 //! | 0x3f8-0x3ff | [`serial::SerialDevice`] (COM1, IRQ 4) |
 //! | 0x510-0x511 | [`fw_cfg::FwCfg`] |
 
@@ -30,6 +32,8 @@ pub mod acpi_pm;
 pub mod bus;
 /// Guest-initiated VM termination with a QEMU-compatible exit status.
 pub mod debug_exit;
+/// The firmware's debug log port.
+pub mod debugcon;
 /// The channel from devices on vCPU threads to the VMM's main loop.
 pub mod exit;
 /// Machine facts for firmware written against QEMU.
@@ -42,6 +46,8 @@ pub mod lifecycle;
 /// Bounded, non-blocking output queues for console devices.
 pub mod output;
 pub mod pit;
+/// Fast A20 and reset.
+pub mod port92;
 pub mod rtc;
 /// The guest console.
 pub mod serial;

@@ -8,8 +8,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
 use vmm::config::{
-    parse_console, parse_disk, parse_memory_size, parse_serial, IrqChipKind, ShapeGiven, StartFrom,
-    VmConfig,
+    parse_boot_order, parse_console, parse_disk, parse_memory_size, parse_serial, IrqChipKind,
+    ShapeGiven, StartFrom, VmConfig, DEFAULT_FIRMWARE,
 };
 
 #[derive(Parser, Debug)]
@@ -25,8 +25,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Boot a guest kernel.
-    Run(RunArgs),
+    /// Boot a guest: a kernel, or firmware and a disk.
+    Run(Box<RunArgs>),
     /// Control a running ferrovm through its API socket.
     Ctl(CtlArgs),
     /// Show the accelerator found and its capabilities.
@@ -49,8 +49,20 @@ pub enum AccelArg {
 #[derive(Args, Debug)]
 pub struct RunArgs {
     /// Kernel image: Linux bzImage, PVH ELF or Multiboot v1 ELF.
-    #[arg(long, value_name = "FILE", required_unless_present_any = ["incoming", "restore"])]
+    #[arg(
+        long,
+        value_name = "FILE",
+        required_unless_present_any = ["incoming", "restore", "firmware", "disk"]
+    )]
     pub kernel: Option<PathBuf>,
+    /// Boot through a BIOS firmware ROM (default without --kernel, when a --disk is given:
+    /// Debian's SeaBIOS, /usr/share/seabios/bios-256k.bin). With --incoming: the ROM of
+    /// the machine that migrates in.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "restore"])]
+    pub firmware: Option<PathBuf>,
+    /// The firmware's boot order: `disk` (every --disk in order) or `diskN,...`.
+    #[arg(long, value_name = "disk|diskN,...", conflicts_with_all = ["kernel", "restore"])]
+    pub boot: Option<String>,
     /// Kernel command line (it may begin with a dash).
     #[arg(long, value_name = "S", allow_hyphen_values = true)]
     pub cmdline: Option<String>,
@@ -136,13 +148,28 @@ impl RunArgs {
         }
         self.check_restore_options()?;
         let (restore_verify, restore_eager) = (self.restore_verify, self.restore_eager);
+        let disks: Vec<_> = self
+            .disk
+            .iter()
+            .map(|d| parse_disk(d))
+            .collect::<Result<_, _>>()?;
+        let mut firmware = self.firmware;
         let start = match (self.kernel, self.restore, self.incoming) {
             (Some(kernel), None, None) => StartFrom::Kernel(kernel),
             (None, Some(file), None) => StartFrom::Restore(file),
             (None, None, Some(addr)) => StartFrom::Incoming(vmm::parse_tcp(&addr, "--incoming")?),
-            _ => bail!("give exactly one of --kernel, --restore and --incoming"),
+            (None, None, None) if firmware.is_some() || !disks.is_empty() => {
+                firmware.get_or_insert_with(|| PathBuf::from(DEFAULT_FIRMWARE));
+                StartFrom::Firmware
+            }
+            _ => bail!(
+                "give exactly one of --kernel, --firmware (or a --disk), --restore and --incoming"
+            ),
         };
+        let boot_order = parse_boot_order(self.boot.as_deref().unwrap_or("disk"), disks.len())?;
         let mut config = VmConfig::new(start);
+        config.firmware = firmware;
+        config.boot_order = boot_order;
         config.shape_given = ShapeGiven {
             memory: self.memory.is_some(),
             cpus: self.cpus.is_some(),
@@ -172,11 +199,7 @@ impl RunArgs {
         config.api_socket = self.api_socket;
         config.restore_verify = restore_verify;
         config.restore_eager = restore_eager;
-        config.disks = self
-            .disk
-            .iter()
-            .map(|d| parse_disk(d))
-            .collect::<Result<_, _>>()?;
+        config.disks = disks;
         if let Some(console) = &self.console {
             config.console = parse_console(console)?;
         }

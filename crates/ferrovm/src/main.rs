@@ -53,7 +53,7 @@ fn one_line(err: &anyhow::Error) -> String {
 fn run(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
         Command::Run(args) => {
-            let config = args.into_config()?;
+            let config = (*args).into_config()?;
             let outcome = vmm::run(config)?;
             Ok(outcome.exit_status())
         }

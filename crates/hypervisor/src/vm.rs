@@ -217,6 +217,16 @@ pub trait Vm: Send + Sync {
     /// mapped (same guest range, size and host address); its `log_dirty` field is ignored in
     /// favour of `enabled`.
     fn set_dirty_logging(&self, region: &MemoryRegion, enabled: bool) -> Result<()>;
+    /// Makes a mapped region read-only for the guest (writes exit as MMIO writes) or
+    /// writable again, keeping its dirty logging and the dirty bits not yet collected.
+    /// `region` must describe the slot exactly as it was mapped; its `readonly` field is
+    /// ignored in favour of `readonly`. Firmware shadow RAM (the PAM registers) needs it.
+    fn set_memory_readonly(&self, region: &MemoryRegion, readonly: bool) -> Result<()> {
+        let _ = (region, readonly);
+        Err(HypervisorError::Unsupported(
+            "switching memory between read-only and writable".into(),
+        ))
+    }
     /// Switches the VM to the manual-protect protocol (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
     /// with KVM_DIRTY_LOG_INITIALLY_SET when the kernel offers it). Returns false, changing
     /// nothing, when the kernel lacks it. Call before enabling dirty logging on any slot.

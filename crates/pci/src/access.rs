@@ -57,14 +57,26 @@ fn write_config(bus: &PciBus, at: ConfigAddress, data: &[u8]) {
 /// Configuration mechanism #1: the address latch at 0xcf8 (dword accesses only; other
 /// sizes there reach nothing, as on a PC where 0xcf9 is another register) and the data
 /// window at 0xcfc–0xcff.
+/// Port 0xcf9 within the configuration ports.
+const RESET_CONTROL_OFFSET: u64 = 1;
+const RESET_HARD: u8 = 1 << 1;
+const RESET_CPU: u8 = 1 << 2;
+
 pub struct ConfigPorts {
     bus: Arc<PciBus>,
     address: u32,
+    /// The PIIX reset control register, a byte at 0xcf9 (inside the address dword's
+    /// ports, told apart by its width): bit 1 selects a hard reset, bit 2 resets the CPU.
+    reset_control: u8,
 }
 
 impl ConfigPorts {
     pub fn new(bus: Arc<PciBus>) -> Self {
-        ConfigPorts { bus, address: 0 }
+        ConfigPorts {
+            bus,
+            address: 0,
+            reset_control: 0,
+        }
     }
 
     /// Where the data ports point, or `None` while the enable bit is clear.
@@ -86,6 +98,7 @@ impl BusDevice for ConfigPorts {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         match offset {
             0 if data.len() == 4 => data.copy_from_slice(&self.address.to_le_bytes()),
+            RESET_CONTROL_OFFSET if data.len() == 1 => data[0] = self.reset_control,
             DATA_OFFSET..=7 => match self.target(offset - DATA_OFFSET) {
                 Some(at) => read_config(&self.bus, at, data),
                 None => data.fill(0xff),
@@ -100,6 +113,13 @@ impl BusDevice for ConfigPorts {
                 if let Ok(bytes) = <[u8; 4]>::try_from(data) {
                     self.address = u32::from_le_bytes(bytes) & CONFIG_ADDRESS_MASK;
                 }
+            }
+            RESET_CONTROL_OFFSET if data.len() == 1 => {
+                let value = data[0] & (RESET_HARD | RESET_CPU);
+                if value & RESET_CPU != 0 && self.reset_control & RESET_CPU == 0 {
+                    self.bus.request_reset();
+                }
+                self.reset_control = value;
             }
             DATA_OFFSET..=7 => {
                 if let Some(at) = self.target(offset - DATA_OFFSET) {

@@ -96,6 +96,13 @@ pub enum PciError {
     BadSlot(u8),
     #[error("PCI slot {0} is already taken")]
     SlotTaken(u8),
+    /// Functions 1-7 of a slot hold configuration registers only, beside a function 0.
+    #[error("PCI function {slot}.{function}: {reason}")]
+    BadFunction {
+        slot: u8,
+        function: u8,
+        reason: &'static str,
+    },
     #[error("PCI function {id}: {source}")]
     BadBar {
         id: String,
@@ -226,6 +233,12 @@ struct Moved {
 pub struct PciBus {
     layout: PciLayout,
     slots: RwLock<Vec<Option<Slot>>>,
+    /// Functions 1-7 of multi-function slots, by (slot, function): configuration space
+    /// only (no BARs, no INTx), as a chipset's PM function at 00:01.3.
+    functions: RwLock<std::collections::BTreeMap<(u8, u8), SharedDevice>>,
+    /// Called when the guest resets the machine through the reset control register (port
+    /// 0xcf9).
+    reset: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
     allocators: Mutex<Allocators>,
     table: Arc<RwLock<BarTable>>,
     derived: Mutex<Derived>,
@@ -252,14 +265,28 @@ impl PciBus {
                 layout.ecam.size
             )));
         }
+        let mut mmio32 = allocator(layout.mmio32, "32-bit MMIO")?;
+        if layout.mmio32.contains(layout.ecam.base, layout.ecam.size) {
+            // A window around ECAM (firmware machines: the whole PCI hole up to the IOAPIC,
+            // where BIOS firmware places BARs) never hands out the ECAM range.
+            mmio32
+                .allocate(
+                    layout.ecam.size,
+                    1,
+                    AllocPolicy::ExactMatch(layout.ecam.base),
+                )
+                .map_err(|e| PciError::Layout(format!("ECAM inside the 32-bit window: {e}")))?;
+        }
         let allocators = Allocators {
-            mmio32: allocator(layout.mmio32, "32-bit MMIO")?,
+            mmio32,
             mmio64: allocator(layout.mmio64, "64-bit MMIO")?,
             io: allocator(layout.io, "I/O")?,
         };
         Ok(PciBus {
             layout,
             slots: RwLock::new((0..NUM_SLOTS).map(|_| None).collect()),
+            functions: RwLock::default(),
+            reset: std::sync::OnceLock::new(),
             allocators: Mutex::new(allocators),
             table: Arc::new(RwLock::new(BarTable::default())),
             derived: Mutex::new(Derived::default()),
@@ -296,9 +323,23 @@ impl PciBus {
             ecam.base,
             ecam.size,
         )?;
-        for w in [self.layout.mmio32, self.layout.mmio64] {
-            mmio.insert(self.window(w, Space::Memory), w.base, w.size)?;
+        let (w32, ecam) = (self.layout.mmio32, self.layout.ecam);
+        let window32 = self.window(w32, Space::Memory);
+        if w32.contains(ecam.base, ecam.size) {
+            // The window's two parts, below and above ECAM, share one decoder.
+            let below = ecam.base - w32.base;
+            if below > 0 {
+                mmio.insert(window32.clone(), w32.base, below)?;
+            }
+            let above = w32.end() - ecam.end();
+            if above > 0 {
+                mmio.insert_with_offset(window32, ecam.end(), above, ecam.end() - w32.base)?;
+            }
+        } else {
+            mmio.insert(window32, w32.base, w32.size)?;
         }
+        let w64 = self.layout.mmio64;
+        mmio.insert(self.window(w64, Space::Memory), w64.base, w64.size)?;
         Ok(())
     }
 
@@ -417,11 +458,67 @@ impl PciBus {
         }
     }
 
+    /// Adds `device` as function `function` (1-7) of `slot`, which must already hold a
+    /// function 0 (whose header type says multi-function). Such functions have
+    /// configuration registers only: a device asking for BARs is refused.
+    pub fn add_function_at(
+        &self,
+        slot: u8,
+        function: u8,
+        device: SharedDevice,
+    ) -> Result<(), PciError> {
+        let bad = |reason| PciError::BadFunction {
+            slot,
+            function,
+            reason,
+        };
+        if !(1..8).contains(&function) {
+            return Err(bad("only functions 1-7 are added this way"));
+        }
+        if self.device_at(slot).is_none() {
+            return Err(bad("the slot has no function 0"));
+        }
+        if !lock(&device).bars().is_empty() {
+            return Err(bad("functions other than 0 cannot have BARs here"));
+        }
+        let mut functions = self.functions.write().unwrap_or_else(|e| e.into_inner());
+        if functions.contains_key(&(slot, function)) {
+            return Err(bad("already taken"));
+        }
+        functions.insert((slot, function), device);
+        Ok(())
+    }
+
+    /// Makes the reset control register (port 0xcf9) call `reset` when the guest asks for a
+    /// CPU reset through it. Only the first handler set is kept.
+    pub fn set_reset_handler(&self, reset: Arc<dyn Fn() + Send + Sync>) {
+        let _ = self.reset.set(reset);
+    }
+
+    /// The guest asked for a reset through port 0xcf9.
+    pub(crate) fn request_reset(&self) {
+        match self.reset.get() {
+            Some(reset) => reset(),
+            None => log::warn!("reset through port 0xcf9 ignored: no reset handler"),
+        }
+    }
+
+    fn other_function(&self, slot: u8, function: u8) -> Option<SharedDevice> {
+        let functions = self.functions.read().unwrap_or_else(|e| e.into_inner());
+        functions.get(&(slot, function)).cloned()
+    }
+
     /// Reads configuration dword `offset` (rounded down to a dword) of bus `bus`, device
     /// `device`, function `function`. All ones where nothing answers.
     pub fn config_read(&self, bus: u8, device: u8, function: u8, offset: u16) -> u32 {
-        if bus != 0 || function != 0 || offset >= crate::config::EXTENDED_CONFIG_SIZE {
+        if bus != 0 || offset >= crate::config::EXTENDED_CONFIG_SIZE {
             return u32::MAX;
+        }
+        if function != 0 {
+            return match self.other_function(device, function) {
+                Some(d) => lock(&d).config_read(offset & !3),
+                None => u32::MAX,
+            };
         }
         match self.device_at(device) {
             Some(d) => lock(&d).config_read(offset & !3),
@@ -442,7 +539,13 @@ impl PciBus {
         data: &[u8],
     ) {
         let fits = !data.is_empty() && usize::from(sub) + data.len() <= 4;
-        if bus != 0 || function != 0 || offset >= crate::config::EXTENDED_CONFIG_SIZE || !fits {
+        if bus != 0 || offset >= crate::config::EXTENDED_CONFIG_SIZE || !fits {
+            return;
+        }
+        if function != 0 {
+            if let Some(d) = self.other_function(device, function) {
+                lock(&d).config_write(offset & !3, sub, data);
+            }
             return;
         }
         let Some((dev, bars)) = self.function(device) else {

@@ -440,7 +440,7 @@ fn address_latch_is_dword_only() {
     assert_eq!(u32::from_le_bytes(d), 0x80ff_fffc);
     let mut b = [0u8; 1];
     assert!(m.pio.read(0xcf9, &mut b));
-    assert_eq!(b, [0xff]);
+    assert_eq!(b, [0x00], "a byte at 0xcf9 is the reset control register");
     // Sub-dword data accesses at each sub-offset.
     assert!(m.pio.write(0xcf8, &0x8000_0000u32.to_le_bytes()));
     let mut w = [0u8; 2];
@@ -738,4 +738,94 @@ fn intx_lines_reach_their_gsis() {
     b.set(false);
     assert_eq!(*chip.0.lock().unwrap(), vec![(19, true), (19, false)]);
     assert!(pci.intx_line(32, IntxPin::A).is_none());
+}
+
+#[test]
+fn config_only_functions_beside_function_0() {
+    let m = Machine::new();
+    let pm = Arc::new(Mutex::new(crate::piix::power_management()));
+    // No function 0 in slot 1 yet; function 0 itself is not added this way.
+    assert!(matches!(
+        m.pci.add_function_at(1, 3, pm.clone()),
+        Err(PciError::BadFunction { .. })
+    ));
+    m.pci
+        .add_device_at(1, Arc::new(Mutex::new(crate::piix::isa_bridge())))
+        .unwrap();
+    assert!(m.pci.add_function_at(1, 0, pm.clone()).is_err());
+    assert!(m.pci.add_function_at(1, 8, pm.clone()).is_err());
+    m.pci.add_function_at(1, 3, pm.clone()).unwrap();
+    assert!(m.pci.add_function_at(1, 3, pm.clone()).is_err(), "taken");
+    let with_bar = TestFn::new("b", &[bar(0, 0x1000, BarKind::Memory32)]);
+    assert!(m.pci.add_function_at(1, 2, with_bar).is_err(), "BARs");
+    // Function 3 through both mechanisms; absent functions read all ones.
+    let cf8 = |func: u32, reg: u32| {
+        let addr = 0x8000_0000 | 1 << 11 | func << 8 | reg;
+        assert!(m.pio.write(0xcf8, &addr.to_le_bytes()));
+        let mut d = [0u8; 4];
+        assert!(m.pio.read(0xcfc, &mut d));
+        u32::from_le_bytes(d)
+    };
+    assert_eq!(cf8(0, 0), 0x7000_8086);
+    assert_eq!(cf8(3, 0), 0x7113_8086);
+    assert_eq!(cf8(2, 0), u32::MAX);
+    let ecam3 = ECAM + (1 << 15) + (3 << 12);
+    let mut d = [0u8; 4];
+    assert!(m.mmio.write(ecam3 + 0x40, &0x601u32.to_le_bytes()));
+    assert!(m.mmio.read(ecam3 + 0x40, &mut d));
+    assert_eq!(u32::from_le_bytes(d), 0x601);
+    assert_eq!(cf8(3, 0x40), 0x601);
+}
+
+#[test]
+fn reset_control_register() {
+    let m = Machine::new();
+    let resets = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let r = resets.clone();
+    m.pci.set_reset_handler(Arc::new(move || {
+        r.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }));
+    let rcr = |value: u8| assert!(m.pio.write(0xcf9, &[value]));
+    let count = || resets.load(std::sync::atomic::Ordering::SeqCst);
+    rcr(0x02);
+    assert_eq!(count(), 0, "hard-reset select alone");
+    let mut d = [0u8];
+    assert!(m.pio.read(0xcf9, &mut d));
+    assert_eq!(d, [0x02]);
+    rcr(0x06);
+    assert_eq!(count(), 1, "RST_CPU rising");
+    rcr(0x06);
+    assert_eq!(count(), 1, "no new edge");
+    rcr(0x00);
+    rcr(0x04);
+    assert_eq!(count(), 2);
+    // A dword at 0xcf8 is still the configuration address.
+    assert_eq!(m.cf8_read(0, 0, 4), 0x1237_8086);
+}
+
+#[test]
+fn a_window_around_ecam_decodes_both_sides() {
+    let layout = PciLayout {
+        ecam: Window::new(ECAM, ECAM_BUS_SIZE),
+        mmio32: Window::new(0xc000_0000, 0xfec0_0000 - 0xc000_0000),
+        mmio64: MMIO64,
+        io: IO,
+    };
+    let pci = Arc::new(PciBus::new(layout, no_irq()).unwrap());
+    pci.add_device_at(0, Arc::new(Mutex::new(HostBridge::new())))
+        .unwrap();
+    let (mut pio, mut mmio) = (Bus::new(), Bus::new());
+    pci.register(&mut pio, &mut mmio).unwrap();
+    let f = TestFn::new("f", &[bar(0, 0x8000, BarKind::Memory32)]);
+    pci.add_device_at(2, f).unwrap();
+    // Firmware moves the BAR above ECAM, as SeaBIOS does.
+    let bar0 = 0x8000_0000u32 | 2 << 11 | 0x10;
+    assert!(pio.write(0xcf8, &bar0.to_le_bytes()));
+    assert!(pio.write(0xcfc, &0xfebf_8000u32.to_le_bytes()));
+    let mut d = [0u8; 4];
+    assert!(mmio.read(0xfebf_8004, &mut d));
+    assert_eq!(d, [0x04, 0x05, 0x06, 0x07], "BAR 0 bytes 4-7");
+    // ECAM is still ECAM.
+    assert!(mmio.read(ECAM, &mut d));
+    assert_eq!(u32::from_le_bytes(d), 0x1237_8086);
 }

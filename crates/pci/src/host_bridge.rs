@@ -22,6 +22,10 @@ pub const VENDOR_INTEL: u16 = 0x8086;
 /// 82441FX PMC.
 pub const DEVICE_I440FX: u16 = 0x1237;
 pub const REVISION_I440FX: u8 = 2;
+/// Subsystem IDs of QEMU's PC host bridge (Red Hat, "QEMU virtual machine"): SeaBIOS
+/// recognises a QEMU-style machine, and so uses fw_cfg, by them.
+pub const SUBSYSTEM_VENDOR_QEMU: u16 = 0x1af4;
+pub const SUBSYSTEM_QEMU_PC: u16 = 0x1100;
 /// Bridge, host bridge.
 pub const CLASS_HOST_BRIDGE: u32 = 0x06_00_00;
 
@@ -90,8 +94,8 @@ impl HostBridge {
             device: DEVICE_I440FX,
             revision: REVISION_I440FX,
             class: CLASS_HOST_BRIDGE,
-            subsystem_vendor: 0,
-            subsystem: 0,
+            subsystem_vendor: SUBSYSTEM_VENDOR_QEMU,
+            subsystem: SUBSYSTEM_QEMU_PC,
         });
         config.set_u16(COMMAND, RESET_COMMAND);
         let mut pam_writable = [PAM_WRITABLE; PAM_COUNT];
@@ -245,6 +249,7 @@ mod tests {
         assert_eq!(hb.config_read(0x10), 0);
         assert_eq!(hb.config_read(4) & 0xffff, 6);
         assert_eq!(hb.config_read(0x3c) >> 8 & 0xff, 0, "no interrupt pin");
+        assert_eq!(hb.config_read(0x2c), 0x1100_1af4, "QEMU's subsystem IDs");
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub mod config;
 pub mod host_bridge;
 /// INTx routing to GSIs 16-19.
 pub mod intx;
+/// The PIIX ISA bridge and PM functions BIOS firmware sets up.
+pub mod piix;
 
 #[cfg(test)]
 mod bus_tests;

@@ -73,6 +73,8 @@ pub enum ConsoleConfig {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StartFrom {
     Kernel(PathBuf),
+    /// The firmware ROM in [`VmConfig::firmware`], from the reset vector.
+    Firmware,
     /// A snapshot file; memory size, vCPUs and irqchip mode come from it.
     Restore(PathBuf),
     /// An incoming live migration on `HOST:PORT`.
@@ -116,7 +118,16 @@ pub struct VmConfig {
     pub restore_eager: bool,
     /// `--seccomp`: what the threads' system call filters do with a forbidden call.
     pub seccomp: sandbox::Mode,
+    /// `--firmware`: the ROM of a firmware boot, or of the machine an incoming migration
+    /// brings (its layout has the ROM and the shadow RAM).
+    pub firmware: Option<PathBuf>,
+    /// `--boot`: the disks the firmware tries, in order, as indices into `disks`.
+    pub boot_order: Vec<usize>,
 }
+
+/// The firmware `ferrovm run` uses when a disk is given without a kernel: Debian's SeaBIOS
+/// (package `seabios`), the 256 KiB build QEMU's PC machines use.
+pub const DEFAULT_FIRMWARE: &str = "/usr/share/seabios/bios-256k.bin";
 
 impl VmConfig {
     pub fn new(start: StartFrom) -> Self {
@@ -139,8 +150,40 @@ impl VmConfig {
             disks: Vec::new(),
             console: ConsoleConfig::Serial,
             rng: false,
+            firmware: None,
+            boot_order: Vec::new(),
         }
     }
+}
+
+/// Parses `--boot`: `disk` (every disk, in the order given) or a comma-separated list of
+/// `diskN` (the N-th `--disk`, from 0), for a machine with `disks` disks.
+pub fn parse_boot_order(text: &str, disks: usize) -> Result<Vec<usize>> {
+    let bad = |reason: String| Error::Option {
+        option: "--boot",
+        value: text.to_string(),
+        reason,
+    };
+    if text == "disk" {
+        return Ok((0..disks).collect());
+    }
+    let mut order = Vec::new();
+    for item in text.split(',') {
+        let index: usize = item
+            .strip_prefix("disk")
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| bad(format!("{item:?}: expected disk or diskN")))?;
+        if index >= disks {
+            return Err(bad(format!(
+                "{item}: there are {disks} disk(s), numbered from disk0"
+            )));
+        }
+        if order.contains(&index) {
+            return Err(bad(format!("{item} is listed twice")));
+        }
+        order.push(index);
+    }
+    Ok(order)
 }
 
 /// Parses a memory size: a whole number with a unit B, K/KiB, M/MiB, G/GiB or T/TiB (powers
@@ -310,6 +353,25 @@ mod tests {
         ] {
             let e = parse_disk(bad).unwrap_err().to_string();
             assert!(e.contains("--disk"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn boot_orders() {
+        assert_eq!(parse_boot_order("disk", 3).unwrap(), vec![0, 1, 2]);
+        assert_eq!(parse_boot_order("disk", 0).unwrap(), Vec::<usize>::new());
+        assert_eq!(parse_boot_order("disk1,disk0", 2).unwrap(), vec![1, 0]);
+        for bad in [
+            "",
+            "cdrom",
+            "disk2",
+            "disk0,disk0",
+            "disk-1",
+            "disk0,",
+            "net",
+        ] {
+            let e = parse_boot_order(bad, 2).unwrap_err().to_string();
+            assert!(e.contains("--boot"), "{bad}: {e}");
         }
     }
 

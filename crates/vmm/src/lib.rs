@@ -8,6 +8,7 @@ mod control;
 mod cpu_setup;
 mod error;
 mod files;
+pub mod firmware;
 mod ioevents;
 mod irqchip;
 mod machine;

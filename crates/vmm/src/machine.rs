@@ -23,6 +23,7 @@ use crate::api::{Api, MachineInfo, MachineOps};
 use crate::config::{IrqChipKind, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
+use crate::firmware;
 use crate::irqchip::MachineIrqChip;
 use crate::memory::{self, GuestMemory};
 use crate::platform::{add_virtio_devices, PciHandles, PlatformDevices, VirtioContext};
@@ -79,6 +80,9 @@ enum Start {
 }
 
 struct Machine {
+    /// The firmware ROM's mapping and the shadow RAM (firmware machines), kept while the VM
+    /// exists.
+    _firmware: Option<firmware::FirmwareMemory>,
     /// Memory (kept alive while the VM runs: the kernel maps it), the VM and the devices.
     core: Arc<Core>,
     start: Start,
@@ -131,8 +135,13 @@ impl Machine {
                 "split" => IrqChipKind::Split,
                 _ => IrqChipKind::Kernel,
             };
+            config.firmware = saved
+                .extra
+                .get(firmware::CONFIG_KEY)
+                .and_then(|identity| firmware::path_from_identity(identity));
         }
         let config = &config;
+        let rom = firmware::rom_for(config)?;
         memory::validate_size(config.memory, &config.memory_text)?;
         let mut kernel = match &config.start {
             StartFrom::Kernel(path) => Some(open_kernel(config, path)?),
@@ -172,7 +181,13 @@ impl Machine {
         // RAM before the interrupt controllers: on some hosts registering memory slots after
         // KVM_CREATE_IRQCHIP costs milliseconds more (measured: 5–7 ms against 0.2 ms).
         let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
-        let regions = memory::map_into_vm(&vm, &guest_memory)?;
+        let (regions, slots, firmware_memory) = match &rom {
+            Some(rom) => firmware::map_guest_memory(&vm, &guest_memory, rom)?,
+            None => {
+                let regions = memory::map_into_vm(&vm, &guest_memory)?;
+                (regions.clone(), regions, None)
+            }
+        };
         // Asked again now that the VM exists: bhyve probes its snapshot support on creation.
         let irqchip = crate::irqchip::create(&vm, config.irqchip, &hv.capabilities())?;
 
@@ -187,12 +202,20 @@ impl Machine {
             // Restored or incoming RAM already holds the firmware tables and the kernel.
             None => None,
         };
+        let firmware_boot = config.start == StartFrom::Firmware;
+        if let (true, Some(rom)) = (firmware_boot, &rom) {
+            firmware::load_bios_alias(&guest_memory, rom)?;
+        }
 
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
         let guest_memory = Arc::new(guest_memory);
         let (pio, mmio, timers, mut platform) =
             build_buses(config, &exit, &irqchip, &timer_wake, caps.rtc_in_kernel)?;
+        let piix = match &firmware_memory {
+            Some(_) => firmware::add_piix(&platform.pci)?,
+            None => Vec::new(),
+        };
         let functions = add_virtio_devices(
             config,
             &VirtioContext {
@@ -203,10 +226,19 @@ impl Machine {
                 pci: &platform.pci,
             },
         )?;
+        if let Some(fw) = &firmware_memory {
+            let machine = firmware::MachineParts {
+                pci: &platform.pci,
+                fw_cfg: &platform.fw_cfg,
+                virtio: &functions,
+                kernel_pm_timer: caps.pm_timer_port,
+            };
+            firmware::attach(fw, config, &machine)?;
+        }
         let serial_output = platform.serial_output.clone();
         let serial_input = platform.serial_input.take();
-        let device_list = platform.into_list(functions)?;
-        if caps.rtc_in_kernel && entry.is_some() {
+        let device_list = platform.into_list(piix.into_iter().chain(functions).collect())?;
+        if caps.rtc_in_kernel && (entry.is_some() || firmware_boot) {
             // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
             // would write (a restore brings them back with the kernel's state instead).
             let (below_4g, above_4g) = ram_below_and_above_4g(config.memory);
@@ -229,11 +261,19 @@ impl Machine {
             IrqChipKind::Kernel => "kernel",
             IrqChipKind::Split => "split",
         };
+        let mut migration_config =
+            snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions);
+        if let Some(rom) = &rom {
+            migration_config
+                .extra
+                .insert(firmware::CONFIG_KEY.into(), rom.identity());
+        }
         let core = Arc::new(Core {
             memory: guest_memory.clone(),
             vm: vm.clone(),
-            config: snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions),
+            config: migration_config,
             regions,
+            slots,
             control: context.control.clone(),
             devices: device_list,
             timers: timers.gate.clone(),
@@ -265,6 +305,9 @@ impl Machine {
             if let (0, Some(entry)) = (id, &entry) {
                 set_boot_registers(vcpu.as_ref(), entry)?;
             }
+            if id == 0 && firmware_boot {
+                firmware::set_reset_registers(vcpu.as_ref())?;
+            }
             vcpus.push(vcpu);
         }
         let start = match (&config.start, incoming) {
@@ -281,6 +324,7 @@ impl Machine {
             _ => Start::Boot,
         };
         Ok(Machine {
+            _firmware: firmware_memory,
             core,
             vcpus,
             context,
@@ -679,15 +723,31 @@ fn build_buses(
         .add_file("etc/ferrovm/cmdline", config.cmdline.as_bytes().to_vec())
         .map_err(|e| Error::Devices(e.to_string()))?;
     let fw_cfg = fw_cfg.register(&mut pio).map_err(devices_err)?;
+    let fw_cfg_handle = fw_cfg.clone();
     let acpi_pm = AcpiPm::new(exit.clone())
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
         .register(&mut pio)
         .map_err(devices_err)?;
-    let pci = build_pci(config.memory, irqchip, &mut pio, &mut mmio)?;
+    let pci = build_pci(
+        config.memory,
+        config.firmware.is_some(),
+        irqchip,
+        &mut pio,
+        &mut mmio,
+    )?;
+    // The PIIX reset control register (0xcf9) resets the machine, which ends the VM.
+    let reset_exit = exit.clone();
+    pci.bus.set_reset_handler(Arc::new(move || {
+        reset_exit.request(devices::exit::ExitReason::Reset);
+    }));
     let mut legacy: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
+    if config.firmware.is_some() {
+        legacy.extend(firmware::add_legacy_devices(&mut pio, exit).map_err(devices_err)?);
+    }
     legacy.extend(pit.iter().map(|d| d.clone() as SharedDevice));
     legacy.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
     let devices = PlatformDevices {
+        fw_cfg: fw_cfg_handle,
         serial_output,
         serial_input,
         legacy,
@@ -711,6 +771,7 @@ fn build_buses(
 /// before the vCPUs start; `PciBus::intx_line` gives a function its INTx line.
 fn build_pci(
     memory: u64,
+    firmware: bool,
     irqchip: &Arc<dyn IrqChip>,
     pio: &mut Bus,
     mmio: &mut Bus,
@@ -722,7 +783,16 @@ fn build_pci(
     let pci_err = |e: pci::PciError| Error::Devices(e.to_string());
     let layout = PciLayout {
         ecam: Window::new(PCI_ECAM_START, PCI_ECAM_SIZE),
-        mmio32: Window::new(PCI_MMIO32_START, PCI_MMIO32_SIZE),
+        // BIOS firmware places BARs itself, anywhere in the hole below the IOAPIC (SeaBIOS:
+        // downwards from there); the bus decodes all of it, ECAM excepted.
+        mmio32: if firmware {
+            Window::new(
+                PCI_MMIO32_START,
+                boot::layout::IOAPIC_START - PCI_MMIO32_START,
+            )
+        } else {
+            Window::new(PCI_MMIO32_START, PCI_MMIO32_SIZE)
+        },
         mmio64: Window::new(pci_mmio64_start(memory), PCI_MMIO64_SIZE),
         io: Window::new(PCI_IO_START, PCI_IO_SIZE),
     };
@@ -914,7 +984,7 @@ mod tests {
     fn pci_platform_round_trips_through_the_machine_state() {
         let (mut pio, mut mmio) = (Bus::new(), Bus::new());
         let irqchip: Arc<dyn IrqChip> = Arc::new(devices::serial::NoIrq);
-        let source = build_pci(256 << 20, &irqchip, &mut pio, &mut mmio).unwrap();
+        let source = build_pci(256 << 20, false, &irqchip, &mut pio, &mut mmio).unwrap();
         assert_eq!(config_read(&pio, 0), 0x1237_8086);
         // PAM1 and the interrupt line through ECAM, the command register through CF8.
         assert!(mmio.write(0xe000_005a, &[0x33]));
@@ -925,7 +995,7 @@ mod tests {
         let json = serde_json::to_vec(&saved).unwrap();
 
         let (mut pio, mut mmio) = (Bus::new(), Bus::new());
-        let target = build_pci(256 << 20, &irqchip, &mut pio, &mut mmio).unwrap();
+        let target = build_pci(256 << 20, false, &irqchip, &mut pio, &mut mmio).unwrap();
         as_list(&target)
             .restore(&serde_json::from_slice(&json).unwrap())
             .unwrap();
@@ -938,6 +1008,7 @@ mod tests {
     /// A machine's lifecycle list holding only the PCI platform.
     fn as_list(pci: &PciHandles) -> crate::state::DeviceList {
         PlatformDevices {
+            fw_cfg: Arc::new(std::sync::Mutex::new(FwCfg::new(1, 256 << 20))),
             serial_output: None,
             serial_input: None,
             legacy: Vec::new(),

@@ -113,7 +113,7 @@ pub fn create_guest_memory(size: u64, wired: bool) -> Result<GuestMemory> {
 }
 
 #[cfg(target_os = "linux")]
-fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
+pub(crate) fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
     // MAP_NORESERVE: a large guest costs only the pages it touches.
     let dirty = vm_memory::bitmap::AtomicBitmap::new(len, DIRTY_PAGE_SIZE);
     let mapping = vm_memory::mmap::MmapRegionBuilder::new_with_bitmap(len, dirty)
@@ -135,7 +135,7 @@ const DIRTY_PAGE_SIZE: std::num::NonZeroUsize = match std::num::NonZeroUsize::ne
 /// FreeBSD overcommits anonymous memory (and has no MAP_NORESERVE): a large guest costs only
 /// the pages it touches.
 #[cfg(not(target_os = "linux"))]
-fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
+pub(crate) fn map_region(base: GuestAddress, len: usize) -> Result<GuestRegion> {
     AnonRegion::new(base, len).map_err(|e| {
         Error::Memory(format!(
             "mapping {} MiB at {:#x}: {e}",

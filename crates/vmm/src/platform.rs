@@ -43,6 +43,8 @@ impl IrqChip for IntxPinChip {
 
 /// Every device model of a machine before its lifecycle list is made.
 pub struct PlatformDevices {
+    /// fw_cfg, for the files added once the PCI functions are placed (firmware boot).
+    pub fw_cfg: Arc<Mutex<devices::fw_cfg::FwCfg>>,
     /// Where COM1's output waits for its writer (absent when it goes nowhere).
     pub serial_output: Option<Arc<devices::output::OutputQueue>>,
     /// COM1 and where its input will come from, started when the machine runs.

@@ -39,7 +39,11 @@ fn mig_err(what: &str) -> impl Fn(migration::Error) -> Error + '_ {
 pub struct Core {
     pub memory: Arc<GuestMemory>,
     pub vm: Arc<dyn Vm>,
+    /// Guest RAM's regions, as the migration stream and snapshots lay RAM out.
     pub regions: Vec<MemoryRegion>,
+    /// The memory slots that hold them, in address order: one per region, or several where
+    /// a region is split (a firmware machine's PAM blocks below 1 MiB).
+    pub slots: Vec<MemoryRegion>,
     pub control: Arc<RunControl>,
     pub devices: DeviceList,
     /// The timer thread's gate (PIT and RTC deadlines), paused with the devices.
@@ -363,6 +367,7 @@ impl Core {
             live_dirty = VmDirty {
                 vm: self.vm.clone(),
                 regions: self.regions.clone(),
+                slots: self.slots.clone(),
                 manual_protect: &self.manual_protect,
                 memory: &self.memory,
             };
@@ -437,6 +442,8 @@ fn params_of(request: &MigrateRequest) -> MigrationParams {
 struct VmDirty<'a> {
     vm: Arc<dyn Vm>,
     regions: Vec<MemoryRegion>,
+    /// The slots whose logs make up the regions' bitmaps.
+    slots: Vec<MemoryRegion>,
     manual_protect: &'a std::sync::OnceLock<bool>,
     /// Guest RAM as the VMM's devices write it, with their dirty bitmaps.
     memory: &'a GuestMemory,
@@ -464,8 +471,8 @@ impl DirtySource for VmDirty<'_> {
             })
         });
         log::info!("dirty logging, manual protect: {manual}");
-        for r in &self.regions {
-            self.vm.set_dirty_logging(r, true).map_err(to_mig)?;
+        for s in &self.slots {
+            self.vm.set_dirty_logging(s, true).map_err(to_mig)?;
         }
         // Discard what was logged while the slots were switched over.
         self.take_dirty().map(|_| ())
@@ -475,9 +482,21 @@ impl DirtySource for VmDirty<'_> {
         let mut words = Vec::with_capacity(self.regions.len());
         let manual = self.manual_protect.get().copied().unwrap_or(false);
         for r in &self.regions {
-            let mut bits = self.vm.dirty_log(r.slot, r.size).map_err(to_mig)?;
-            if manual {
-                self.vm.clear_dirty_pages(r.slot, &bits).map_err(to_mig)?;
+            let mut bits = vec![0u64; (r.size / PAGE_SIZE).div_ceil(64) as usize];
+            let end = r.guest_addr + r.size;
+            for s in self
+                .slots
+                .iter()
+                .filter(|s| s.guest_addr >= r.guest_addr && s.guest_addr < end)
+            {
+                let slot_bits = self.vm.dirty_log(s.slot, s.size).map_err(to_mig)?;
+                if manual {
+                    self.vm
+                        .clear_dirty_pages(s.slot, &slot_bits)
+                        .map_err(to_mig)?;
+                }
+                let first_page = (s.guest_addr - r.guest_addr) / PAGE_SIZE;
+                or_bits_at(&mut bits, &slot_bits, first_page, s.size / PAGE_SIZE);
             }
             add_device_writes(self.memory, r.guest_addr, &mut bits);
             words.push(bits);
@@ -486,10 +505,31 @@ impl DirtySource for VmDirty<'_> {
     }
 
     fn stop_tracking(&mut self) {
-        for r in &self.regions {
-            if let Err(e) = self.vm.set_dirty_logging(r, false) {
-                log::warn!("dirty logging off for slot {}: {e}", r.slot);
+        for s in &self.slots {
+            if let Err(e) = self.vm.set_dirty_logging(s, false) {
+                log::warn!("dirty logging off for slot {}: {e}", s.slot);
             }
+        }
+    }
+}
+
+/// ORs the first `pages` bits of `src` (a slot's log) into `dst` (its region's bitmap) from
+/// bit `first_page` on.
+fn or_bits_at(dst: &mut [u64], src: &[u64], first_page: u64, pages: u64) {
+    if first_page.is_multiple_of(64) {
+        let start = (first_page / 64) as usize;
+        for (d, s) in dst.iter_mut().skip(start).zip(src) {
+            *d |= s;
+        }
+        return;
+    }
+    for page in 0..pages {
+        let set = src
+            .get((page / 64) as usize)
+            .is_some_and(|w| w & (1 << (page % 64)) != 0);
+        let at = first_page + page;
+        if let (true, Some(w)) = (set, dst.get_mut((at / 64) as usize)) {
+            *w |= 1 << (at % 64);
         }
     }
 }
@@ -793,4 +833,29 @@ pub fn restore_vcpus(vcpus: &[Box<dyn Vcpu>], states: &[VcpuState]) -> Result<()
             .map_err(|e| Error::State(format!("vCPU {}: {e}", vcpu.id())))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod slot_bitmap_tests {
+    use super::or_bits_at;
+
+    #[test]
+    fn slot_logs_land_at_their_page_offsets() {
+        // A region of 256 pages split as a firmware machine splits its low RAM.
+        let mut region = vec![0u64; 4];
+        // Slot at page 0, 192 pages: pages 0 and 191 dirty.
+        or_bits_at(&mut region, &[1, 0, 1 << 63], 0, 192);
+        // Slot at page 192 (word-aligned), 4 pages: page 1 of it.
+        or_bits_at(&mut region, &[0b10], 192, 4);
+        // Slot at page 196 (not word-aligned), 4 pages: its pages 0 and 3.
+        or_bits_at(&mut region, &[0b1001], 196, 4);
+        // Bits past the slot's pages are ignored.
+        or_bits_at(&mut region, &[u64::MAX], 250, 4);
+        assert_eq!(region[0], 1);
+        assert_eq!(region[2], 1 << 63);
+        assert_eq!(region[3], 1 << 1 | 1 << 4 | 1 << 7 | 0b1111 << 58);
+        // Nothing is written past the region.
+        or_bits_at(&mut region, &[u64::MAX], 254, 8);
+        assert_eq!(region.len(), 4);
+    }
 }

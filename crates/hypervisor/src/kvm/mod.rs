@@ -192,6 +192,7 @@ impl Hypervisor for KvmHypervisor {
         Ok(Arc::new(KvmVm {
             fd,
             slots: Mutex::new(HashMap::new()),
+            carried_dirty: Mutex::new(HashMap::new()),
             routes: Mutex::new(GsiRoutes::default()),
         }))
     }
@@ -272,6 +273,9 @@ pub struct KvmVm {
     /// The memory slots as registered, so a slot is only ever re-registered with the host
     /// mapping the caller vouched for in `map_memory`.
     slots: Mutex<HashMap<u32, kvm_userspace_memory_region>>,
+    /// Dirty bits of slots that were re-created (a read-only switch drops the kernel's
+    /// bitmap), handed out with the slot's next `dirty_log`.
+    carried_dirty: Mutex<HashMap<u32, Vec<u64>>>,
     /// The GSI routing table's two parts (interrupt controllers, devices), written whole to
     /// the kernel on every change.
     routes: Mutex<GsiRoutes>,
@@ -581,9 +585,62 @@ impl Vm for KvmVm {
     }
 
     fn dirty_log(&self, slot: u32, size: u64) -> Result<Vec<u64>> {
-        self.fd
+        let mut bits = self
+            .fd
             .get_dirty_log(slot, size as usize)
-            .map_err(ioctl_err("KVM_GET_DIRTY_LOG"))
+            .map_err(ioctl_err("KVM_GET_DIRTY_LOG"))?;
+        let carried = self
+            .carried_dirty
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&slot);
+        for (word, old) in bits.iter_mut().zip(carried.unwrap_or_default()) {
+            *word |= old;
+        }
+        Ok(bits)
+    }
+
+    fn set_memory_readonly(&self, region: &MemoryRegion, readonly: bool) -> Result<()> {
+        let mut slots = self.slots();
+        let old = Self::registered_slot(&slots, region)?;
+        if (old.flags & KVM_MEM_READONLY != 0) == readonly {
+            return Ok(());
+        }
+        if old.flags & KVM_MEM_LOG_DIRTY_PAGES != 0 {
+            // Deleting the slot drops its dirty bitmap: keep the bits for the next dirty_log.
+            let bits = self
+                .fd
+                .get_dirty_log(old.slot, old.memory_size as usize)
+                .map_err(ioctl_err("KVM_GET_DIRTY_LOG"))?;
+            let mut carried = self.carried_dirty.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = carried.entry(old.slot).or_default();
+            entry.resize(bits.len().max(entry.len()), 0);
+            for (word, new) in entry.iter_mut().zip(bits) {
+                *word |= new;
+            }
+        }
+        // KVM changes only the dirty-logging flag in place: the slot is deleted and added
+        // again with the other read-only setting.
+        let gone = kvm_userspace_memory_region {
+            memory_size: 0,
+            flags: 0,
+            ..old
+        };
+        let mut new = old;
+        new.flags ^= KVM_MEM_READONLY;
+        // SAFETY: deleting a slot takes nothing from the guest's host mapping; it is added
+        // back with the guest range and host mapping it was mapped with (checked above),
+        // which the `map_memory` caller vouched for.
+        unsafe { self.fd.set_user_memory_region(gone) }
+            .map_err(ioctl_err("KVM_SET_USER_MEMORY_REGION (delete)"))?;
+        // SAFETY: as above.
+        let added = unsafe { self.fd.set_user_memory_region(new) };
+        if let Err(e) = added {
+            slots.remove(&old.slot);
+            return Err(ioctl_err("KVM_SET_USER_MEMORY_REGION (read-only)")(e));
+        }
+        slots.insert(new.slot, new);
+        Ok(())
     }
 
     fn set_dirty_logging(&self, region: &MemoryRegion, enabled: bool) -> Result<()> {
