@@ -5,6 +5,7 @@ SHELL := /bin/bash
 #   make test   runs the whole suite (format, lint, unit and guest-booting tests)
 #   make bench  benchmarks against QEMU and a raw KVM_RUN loop -> docs/benchmarks.md
 #   make check-freebsd  type-checks and lints the workspace for FreeBSD (needs the Rust target)
+#   make fuzz   coverage-guided fuzzing of the untrusted-input parsers (AFL++; docs/testing.md)
 
 CARGO ?= cargo
 GUESTS_DIR := target/guests
@@ -12,7 +13,7 @@ FERROVM := target/release/ferrovm
 FREEBSD_TARGET := x86_64-unknown-freebsd
 
 .PHONY: all deps build guests run test check-kvm fmt-check clippy check-freebsd \
-	check-freebsd-if-installed unit-tests clean bench
+	check-freebsd-if-installed unit-tests clean bench fuzz fuzz-seeds
 
 all: build
 
@@ -77,3 +78,16 @@ bench: build
 clean:
 	$(CARGO) clean
 	$(MAKE) -C guests O=$(CURDIR)/$(GUESTS_DIR) clean
+
+# Coverage-guided fuzzing (not part of `make test`): each target of fuzz/ for FUZZ_SECONDS
+# (default 60) with AFL++, installing cargo-afl when missing. FUZZ_TARGETS picks targets,
+# FUZZ_UPDATE_CORPUS=1 merges what was found into fuzz/corpus (minimised). docs/testing.md.
+fuzz:
+	FUZZ_SECONDS=$(or $(FUZZ_SECONDS),60) ./scripts/fuzz.sh
+
+# Rewrites the seed inputs of fuzz/corpus from the crates' own test builders.
+fuzz-seeds:
+	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p boot --lib -- --ignored write_fuzz_seeds
+	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p migration --test props -- --ignored write_fuzz_seeds
+	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p devices --test state_props -- --ignored write_fuzz_seeds
+	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p vmm --test api_props -- --ignored write_fuzz_seeds

@@ -9,6 +9,7 @@ round by round (each round runs every VMM once) where rounds pair up.
 """
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def grouped_bars(ax, groups, series_by_vmm, vmms, ylabel, log=False, fmt="{:.1f}
         bars = ax.bar(xs, m, width, yerr=err, capsize=3, color=COLORS.get(v), label=LABEL.get(v, v))
         for b, val in zip(bars, m):
             if val:
-                ax.annotate(fmt.format(val), (b.get_x() + b.get_width() / 2, b.get_height()),
+                ax.annotate(fmt(val) if callable(fmt) else fmt.format(val), (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                             textcoords="offset points")
     ax.set_xticks(range(len(groups)))
@@ -541,18 +542,391 @@ def restore_section(res, docs, out):
     return summary
 
 
+# (test, in flight per queue (None: the sequential depth), queues)
+BLK_TESTS = [("randread", 1, 1), ("randread", 32, 1), ("randwrite", 1, 1), ("randwrite", 32, 1),
+             ("randread", 32, 2), ("randwrite", 32, 2), ("seqread", None, 1), ("seqwrite", None, 1)]
+BLK_ENVS = ["host", "ferrovm", "qemu"]
+
+
+class BlkSamples:
+    """The blk section's samples, selected by (env, test, in flight per queue, queues)."""
+
+    def __init__(self, bk):
+        self.samples = bk["samples"]
+        self.seq_qd = bk["args"]["seq_qd"]
+        self.rounds = sorted({x["round"] for x in self.samples})
+
+    def pick(self, env, test, qd, nq, rnd=None):
+        qd = self.seq_qd if qd is None else qd
+        return [x for x in self.samples if x["env"] == env and x["test"] == test and x["qd"] == qd
+                and x.get("queues", 1) == nq and (rnd is None or x["round"] == rnd)]
+
+    def sel(self, env, test, qd, nq, key, rnd=None):
+        return [x[key] for x in self.pick(env, test, qd, nq, rnd)]
+
+    def per_round(self, a, b, test, qd, nq, key):
+        """Ratio a / b of the medians of each round."""
+        xs = []
+        for r in self.rounds:
+            x, y = self.sel(a, test, qd, nq, key, r), self.sel(b, test, qd, nq, key, r)
+            if x and y:
+                xs.append(med(x) / med(y))
+        return xs
+
+
+def blk_label(args, test, qd, nq):
+    if qd is None:
+        return f"{test} {args['seq_bs'] // 1024} KiB, depth {args['seq_qd']}"
+    if nq > 1:
+        return f"{test} 4 KiB, {nq} queues × {qd}"
+    return f"{test} 4 KiB, depth {qd}"
+
+
+def blk_intro(bk, out):
+    """What section 7 measures, and how."""
+    args = bk["args"]
+    seq_qd = args["seq_qd"]
+    rounds = sorted({x["round"] for x in bk["samples"]})
+    out.append("## 7. virtio-blk: 4 KiB random IOPS, sequential MB/s\n")
+    out.append(
+        "`bench-blk` (`guests/bench-blk.c`) drives the disk with the guest kit's virtio driver "
+        "(`guests/lib/virtio.c`, `blk.c`) in ring 3 with interrupts on: one queue, indirect "
+        "descriptors and event index negotiated, VIRTIO_BLK_F_FLUSH negotiated (so neither VMM "
+        "writes through), completion by MSI-X. A measurement keeps its depth of requests in "
+        "flight — it waits for the used ring (the kit's `virtq_wait`: arm the interrupt with "
+        f"`used_event`, re-check, then wait{' in `sti; hlt`' if bk.get('wait') == 'hlt' else ''} "
+        "for the MSI-X handler), reaps every completion and submits one new request for each, "
+        f"for {args['ms']} ms of TSC time, then drains. 4 KiB requests go to random 4 KiB-aligned "
+        "offsets of the region (xorshift64* with a fixed seed: the same offsets in the same "
+        f"order under every VMM); sequential requests are {args['seq_bs'] // 1024} KiB, "
+        f"{seq_qd} in flight, in order through the region, wrapping. The region is the first "
+        f"{args['mib']} MiB of a {bk['image_gib']} GiB raw image whose every block was written "
+        "when it was made; each run first writes the whole region once and flushes, so the "
+        "measured blocks are allocated and in the host's page cache (write-back caching in "
+        "both VMMs; the harness `fsync`s the image before every run so no run inherits "
+        "another's writeback). Order in each run: seqwrite, seqread, randread depth 1 then 32, "
+        "randwrite depth 1 then 32.\n")
+    out.append(
+        "- **ferrovm**: `--disk IMG,cache=writeback`: one I/O thread per queue, woken by the "
+        "doorbell's ioeventfd, preadv/pwritev straight into guest memory, completion through "
+        "an irqfd.\n"
+        "- **QEMU** 7.2: `-M microvm,pcie=on` with `-accel kvm,kernel-irqchip=on`, the same "
+        "guest ELF by PVH (`ecam=0xe0000000 pci_assign=1`: microvm has no MCFG and no firmware "
+        "to place BARs), `-device virtio-blk-pci,disable-legacy=on,num-queues=1` on "
+        "`-drive format=raw,cache=writeback,aio=threads`. Why microvm and not q35: it has "
+        "ferrovm's layout (ECAM at 0xe0000000, the same 32-bit BAR window) and no firmware, "
+        "and both end up on the same virtio-blk-pci code; `kernel-irqchip=on` because "
+        "microvm's default is the split irqchip, ferrovm's the in-kernel one (MSI-X goes "
+        "through irqfd and the in-kernel LAPIC either way).\n"
+        "- **host floor**: `bench/blkhost.c` reads and writes the same image file directly in "
+        "the same pattern (same offsets, same sizes): depth d = d threads, each with one "
+        "synchronous `pread`/`pwrite` in flight (no io_uring); it fills the region the same way "
+        "first.\n")
+    out.append("```")
+    for env in ("ferrovm", "qemu", "host"):
+        out.append(bk["commands"][env])
+    out.append("```\n")
+    if "ferrovm-x2" in bk["commands"]:
+        out.append(
+            "The two-queue rows come from a second run per round and VMM, on the region the "
+            "first one wrote: `queues=2` (VIRTIO_BLK_F_MQ), 32 requests in flight on each of two "
+            "queues, both driven by the guest's first vCPU, whose wait arms both queues' "
+            "interrupts and ends with either. Both VMMs get two vCPUs (the second is never "
+            "started, as the recorded runs had them) and a two-queue device: "
+            "ferrovm serves each queue on its own I/O thread, QEMU both on its main loop with "
+            "its thread pool; the floor runs 64 threads.\n")
+        out.append("```")
+        for env in ("ferrovm", "qemu", "host"):
+            out.append(bk["commands"][f"{env}-x2"])
+        out.append("```\n")
+    out.append(
+        f"{len(rounds)} interleaved rounds (ferrovm, QEMU, host, in an order rotating between "
+        "rounds), one measurement of each kind per run. Throughput: IOPS for 4 KiB requests, "
+        "MB/s (10^6 bytes) for sequential ones, median [min–max]; ratios of medians with "
+        "[min–max] of the per-round ratios; above 1 means more throughput than the "
+        "denominator.\n")
+
+
+def blk_plot(docs, bs, args, out):
+    seq_qd = args["seq_qd"]
+    sel = bs.sel
+    fig_, axes = plt.subplots(1, 2, figsize=(12.5, 4), gridspec_kw={"width_ratios": [2.4, 1]})
+    rand = [t for t in BLK_TESTS if t[1] is not None and sel("ferrovm", *t, "iops")]
+    seq = [t for t in BLK_TESTS if t[1] is None]
+    grouped_bars(axes[0], [f"{t}\nQD{q}" + (f"×{n}" if n > 1 else "") for t, q, n in rand],
+                 {e: [sel(e, *t, "iops") for t in rand] for e in BLK_ENVS}, BLK_ENVS,
+                 "IOPS (log scale)", log=True, fmt=lambda v: f"{v / 1000:.3g}k" if v >= 1000 else f"{v:.0f}")
+    axes[0].set_title("4 KiB random requests (QD32×2: two queues)", fontsize=10)
+    grouped_bars(axes[1], [f"{t} {args['seq_bs'] // 1024}K\nQD{seq_qd}" for t, _, _ in seq],
+                 {e: [sel(e, *t, "mbps") for t in seq] for e in BLK_ENVS}, BLK_ENVS,
+                 "MB/s", fmt="{:.0f}")
+    axes[1].set_title("sequential", fontsize=10)
+    fig_.suptitle("virtio-blk, bench-blk guest, write-back cache (median, min–max)", fontsize=10)
+    fig_.tight_layout()
+    fig_.savefig(docs / "bench-blk.png", dpi=110)
+    plt.close(fig_)
+    out.append("![virtio-blk](bench-blk.png)\n")
+
+
+def blk_section(res, docs, out):
+    bk = res["blk"]
+    args = bk["args"]
+    bs = BlkSamples(bk)
+    samples, sel, pick, per_round = bs.samples, bs.sel, bs.pick, bs.per_round
+    seq_qd = args["seq_qd"]
+
+    def label(test, qd, nq):
+        return blk_label(args, test, qd, nq)
+
+    blk_intro(bk, out)
+    out.append("| requests | host floor | ferrovm | QEMU microvm | ferrovm / QEMU | ferrovm ÷ floor | QEMU ÷ floor |")
+    out.append("| --- | --- | --- | --- | --- | --- | --- |")
+    summary = {}
+    for test, qd, nq in BLK_TESTS:
+        key = "mbps" if qd is None else "iops"
+        unit = "MB/s" if qd is None else "IOPS"
+        h, f, q = (sel(e, test, qd, nq, key) for e in BLK_ENVS)
+        if not (f and q):
+            continue
+        summary[(test, qd, nq)] = {e: med(x) for e, x in zip(BLK_ENVS, (h, f, q)) if x}
+        out.append(f"| {label(test, qd, nq)} | {fig(h, 0, unit)} | {fig(f, 0, unit)} | "
+                   f"{fig(q, 0, unit)} | {ratio(f, q, per_round('ferrovm', 'qemu', test, qd, nq, key))} | "
+                   f"{ratio(f, h, per_round('ferrovm', 'host', test, qd, nq, key), 3)} | "
+                   f"{ratio(q, h, per_round('qemu', 'host', test, qd, nq, key), 3)} |")
+    out.append("")
+    out.append(
+        "Time per request: at depth 1 the latency of one request as the guest sees it "
+        "(submit, doorbell, completion, interrupt, reap); at depth d, d × elapsed time / "
+        "requests (the mean time a request spends in flight, by Little's law). Below 1 in "
+        "ferrovm / QEMU means ferrovm is faster. Interrupts and doorbells per request are the "
+        "guest's counts (MSI-X interrupts taken, doorbell writes), medians over the rounds:\n")
+    out.append("| requests | host floor | ferrovm | QEMU microvm | ferrovm / QEMU | interrupts per request: ferrovm / QEMU | doorbells per request: ferrovm / QEMU |")
+    out.append("| --- | --- | --- | --- | --- | --- | --- |")
+    for test, qd, nq in BLK_TESTS:
+        depth = (seq_qd if qd is None else qd) * nq
+        lat = {e: [u * depth for u in sel(e, test, qd, nq, "us")] for e in BLK_ENVS}
+        if not (lat["ferrovm"] and lat["qemu"]):
+            continue
+        per = per_round("ferrovm", "qemu", test, qd, nq, "us")
+
+        def rate(env, what):
+            xs = [x[what] / x["n"] for x in pick(env, test, qd, nq) if what in x and x["n"]]
+            return f"{med(xs):.2f}" if xs else "—"
+        out.append(f"| {label(test, qd, nq)} | {fig(lat['host'], 1, 'µs')} | {fig(lat['ferrovm'], 1, 'µs')} | "
+                   f"{fig(lat['qemu'], 1, 'µs')} | {ratio(lat['ferrovm'], lat['qemu'], per)} | "
+                   f"{rate('ferrovm', 'irqs')} / {rate('qemu', 'irqs')} | "
+                   f"{rate('ferrovm', 'kicks')} / {rate('qemu', 'kicks')} |")
+        if qd == 1:
+            summary[(test, qd, nq)]["us"] = {e: med(lat[e]) for e in BLK_ENVS if lat[e]}
+    out.append("")
+    loads = sorted({(x["env"], x["round"], x.get("queues", 1)): x["loadavg"]  # one per run
+                    for x in samples if "loadavg" in x}.values())
+    load_note = (f" The host's 1-minute load average before the runs was {med(loads):.1f} "
+                 f"[{loads[0]:.1f}–{loads[-1]:.1f}] on its {res['machine']['nproc']} CPUs (other work "
+                 "shares it): every thread competes for CPU time, which is what the wide ranges show."
+                 if loads else "")
+    out.append(f"Measured {bk['measured']} (ferrovm {bk['ferrovm_commit']}; TSC "
+               f"{res['machine']['tsc_hz'] / 1e6:.0f} MHz; {res['machine']['qemu']}).{load_note}\n")
+    blk_plot(docs, bs, args, out)
+    return summary
+
+
+def machine_block(res, out):
+    m = res["machine"]
+    out.append("## The machine\n")
+    out.append("| | |\n| --- | --- |")
+    out.append(f"| CPUs | {m['nproc']} × {m['cpu']} (a VM itself, shared with other work) |")
+    out.append(f"| memory | {m['memory_gib']} GiB |")
+    out.append(f"| kernel | Linux {m['kernel']} |")
+    out.append(f"| KVM | `{m['kvm_backend']}`: KVM with the **PVM** backend (pagetable-based virtual machine), nested — "
+                "guest ring 3 runs natively, guest ring 0 is executed by instruction emulation; no VT-x/AMD-V |")
+    out.append(f"| TSC | {m['tsc_hz'] / 1e6:.0f} MHz (measured) |")
+    out.append(f"| transparent huge pages | `{m['thp']}` |")
+    out.append(f"| QEMU | {m['qemu']} (Debian `qemu-system-x86`) |")
+    out.append(f"| ferrovm | commit {m['ferrovm_commit']}, release build |")
+    out.append(f"| measured | {m['date']}; the whole run took {res.get('seconds', 0) / 60:.0f} min |")
+    out.append("")
+
+
+def startup_rows(res, s_start, rows):
+    f = s_start["ferrovm"]
+    raw = s_start.get("rawkvm")
+    rows.append(f"| process start to first port write | {f:.1f} ms" + (f" ({f / raw:.1f}× floor)" if raw else "")
+                + f" | microvm {s_start['qemu-microvm']:.0f} ms ({s_start['qemu-microvm'] / f:.1f}× ferrovm); "
+                f"pc {s_start['qemu-pc'] / 1000:.2f} s ({s_start['qemu-pc'] / f:.0f}× ferrovm) | "
+                + (f"raw loop {raw:.1f} ms" if raw else "") + " | ≤ 10 ms |")
+
+
+def exits_rows(res, s_exit, rows):
+    for (ring, test), label in (((0, "pio-out"), "PIO write, ring 0"), ((3, "pio-out"), "PIO write, ring 3"),
+                                 ((0, "mmio-read"), "MMIO read, ring 0"), ((3, "mmio-read"), "MMIO read, ring 3")):
+        r, f, q = s_exit[(ring, test)]
+        rows.append(f"| exit round trip: {label} | {f:.2f} µs ({f / r:.2f}× floor) | {q:.2f} µs ({q / r:.2f}× floor) | "
+                    f"raw loop {r:.2f} µs | within 10% of the raw loop" + ("; below QEMU" if "MMIO" in label else "") + " |")
+    if (0, "cr8-write") in s_exit:
+        r, f, q = s_exit[(0, "cr8-write")]
+        rows.append(f"| CR8 (TPR) write, ring 0 | {f:.2f} µs ({f / r:.2f}× floor) | {q:.2f} µs ({q / r:.2f}× floor) | "
+                    f"raw loop {r:.2f} µs | measured (DESIGN.md problem 2; no exit where the TPR is shadowed) |")
+
+
+def memory_rows(res, s_mem, rows):
+    rows.append(f"| VMM memory beyond guest RAM (1 GiB guest) | {s_mem['ferrovm']:.1f} MiB | "
+                f"microvm {s_mem.get('qemu-microvm', 0):.1f} MiB ({s_mem.get('qemu-microvm', 0) / s_mem['ferrovm']:.1f}× ferrovm); "
+                f"pc {s_mem.get('qemu-pc', 0):.1f} MiB | | < 8 MiB |")
+
+
+def migration_rows(res, s_mig, rows):
+    for key, v in s_mig.items():
+        link, guest_, cmdline, gib = key
+        if not (v["ferrovm"] and v["qemu"]):
+            continue
+        kind = "idle" if guest_ == "migrate-idle" else f"dirtying {cmdline.split('=')[1]} MiB"
+        rows.append(f"| migration {link}, {gib} GiB {kind}: total / guest pause (ferrovm: its downtime) | "
+                    f"{v['ferrovm']:.2f} s / {v['down']['ferrovm']:.1f} ms | "
+                    f"{v['qemu']:.2f} s / {v['down']['qemu']:.1f} ms | QEMU/ferrovm total {v['qemu'] / v['ferrovm']:.2f}× | "
+                    + ("downtime < 50 ms; ≥ 2× QEMU's throughput" if link == "loopback" else
+                       "wire time of the touched pages + 5%") + " |")
+
+
+def workloads_rows(res, s_work, rows):
+    rows.append(f"| guest (ring 3) / host time: integer loop, memmove, first touch (host with huge pages) | "
+                f"{s_work['intloop']:.2f}×, {s_work['memmove']:.2f}×, {s_work['touch']:.2f}× | see §5 | host = 1 | — |")
+
+
+def restore_rows(res, s_rest, rows):
+    mib = max(k[0] for k in s_rest)
+    lazy, eager = s_rest.get((mib, "warm", "lazy")), s_rest.get((mib, "warm", "eager"))
+    if lazy and eager:
+        rows.append(f"| snapshot restore, {res['restore']['memory_mib'] // 1024} GiB guest with {mib} MiB "
+                    f"touched (file in the page cache): process start to the guest's first port write "
+                    f"after the resume | {lazy[0]:.1f} ms (eager: {eager[0]:.0f} ms, "
+                    f"{eager[0] / lazy[0]:.0f}×) | — | | < 50 ms (memory loaded lazily) |")
+
+def blk_rows(res, s_blk, rows):
+    r1, r32 = s_blk.get(("randread", 1, 1)), s_blk.get(("randread", 32, 1))
+    w1, w32 = s_blk.get(("randwrite", 1, 1)), s_blk.get(("randwrite", 32, 1))
+    if r32 and w32:
+        rows.append(f"| virtio-blk 4 KiB random IOPS at depth 32, read / write | "
+                    f"{r32['ferrovm']:.0f} / {w32['ferrovm']:.0f} ({r32['ferrovm'] / r32['qemu']:.2f}× / "
+                    f"{w32['ferrovm'] / w32['qemu']:.2f}× QEMU) | {r32['qemu']:.0f} / {w32['qemu']:.0f} | "
+                    f"host {r32['host']:.0f} / {w32['host']:.0f} | at least QEMU's |")
+    if r1 and w1 and "us" in r1 and "us" in w1:
+        rows.append(f"| virtio-blk 4 KiB latency at depth 1, read / write | "
+                    f"{r1['us']['ferrovm']:.0f} / {w1['us']['ferrovm']:.0f} µs "
+                    f"({r1['us']['ferrovm'] / r1['us']['qemu']:.2f}× / {w1['us']['ferrovm'] / w1['us']['qemu']:.2f}× QEMU) | "
+                    f"{r1['us']['qemu']:.0f} / {w1['us']['qemu']:.0f} µs | "
+                    f"host {r1['us']['host']:.1f} / {w1['us']['host']:.1f} µs | within 10% of QEMU's |")
+    r2, w2 = s_blk.get(("randread", 32, 2)), s_blk.get(("randwrite", 32, 2))
+    if r2 and w2:
+        rows.append(f"| virtio-blk 4 KiB random IOPS, 2 queues × 32, read / write | "
+                    f"{r2['ferrovm']:.0f} / {w2['ferrovm']:.0f} ({r2['ferrovm'] / r2['qemu']:.2f}× / "
+                    f"{w2['ferrovm'] / w2['qemu']:.2f}× QEMU) | {r2['qemu']:.0f} / {w2['qemu']:.0f} | "
+                    f"host {r2['host']:.0f} / {w2['host']:.0f} | — |")
+    sr, sw = s_blk.get(("seqread", None, 1)), s_blk.get(("seqwrite", None, 1))
+    if sr and sw:
+        rows.append(f"| virtio-blk sequential read / write | {sr['ferrovm']:.0f} / {sw['ferrovm']:.0f} MB/s "
+                    f"({sr['ferrovm'] / sr['qemu']:.2f}× / {sw['ferrovm'] / sw['qemu']:.2f}× QEMU) | "
+                    f"{sr['qemu']:.0f} / {sw['qemu']:.0f} MB/s | host {sr['host']:.0f} / {sw['host']:.0f} MB/s | — |")
+
+
+# key in results.json, heading in benchmarks.md, renderer, summary rows, their first cells
+SECTIONS = [
+    ("startup", "## 1. ", startup_section, startup_rows, ("| process start",)),
+    ("exits", "## 2. ", exits_section, exits_rows, ("| exit round trip", "| CR8")),
+    ("memory", "## 3. ", memory_section, memory_rows, ("| VMM memory",)),
+    ("migration", "## 4. ", migration_section, migration_rows, ("| migration ",)),
+    ("workloads", "## 5. ", workloads_section, workloads_rows, ("| guest (ring 3)",)),
+    ("restore", "## 6. ", restore_section, restore_rows, ("| snapshot restore",)),
+    ("blk", "## 7. ", blk_section, blk_rows, ("| virtio-blk",)),
+]
+
+
+def old_page(path):
+    """What the existing page shows, for sections the results do not hold (a rerun of some
+    sections without the results.json of the run that measured the others): its numbered
+    sections by heading number ("## 4. "), its machine block and its summary rows."""
+    page = {"sections": {}, "machine": [], "rows": [], "rounds": {}}
+    if not path.exists():
+        return page
+    page["rounds"] = old_rounds(path.read_text())
+    blocks, current = {}, None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            current = line
+            blocks[current] = []
+        if current:
+            blocks[current].append(line)
+    for heading, lines in blocks.items():
+        number = heading.split(" ")[1]
+        if number[:-1].isdigit() and number.endswith("."):
+            page["sections"][f"## {number} "] = lines
+        elif heading == "## The machine":
+            page["machine"] = lines
+        elif heading == "## Summary against the targets":
+            page["rows"] = [x for x in lines[1:] if x.startswith("| ")
+                            and not x.startswith(("| figure |", "| --- |"))]
+    return page
+
+
+ROUNDS_SUFFIX = {"startup": " for start-up", "exits": " for exits", "memory": " for memory",
+                 "workloads": " for the workloads", "restore": " for restore",
+                 "blk": " for virtio-blk"}
+
+
+def and_list(items):
+    return ", ".join(items[:-1]) + ", and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def old_rounds(text):
+    """The "Rounds here: ..." phrases of an existing page, by section key."""
+    m = re.search(r"Rounds here[^:]*: (.*?), to keep `make bench`", text)
+    found = {}
+    for phrase in (m.group(1).split(", ") if m else []):
+        phrase = phrase.removeprefix("and ")
+        if phrase.startswith("for migration"):
+            found["migration"] = phrase
+        for key, suffix in ROUNDS_SUFFIX.items():
+            if phrase.endswith(suffix):
+                found[key] = phrase
+    return found
+
+
+def rounds_phrases(res, kept=(), old=None):
+    """How many rounds each section ran: this run's, or the page's for kept sections."""
+    c = res["config"]
+    phrases = {
+        "startup": lambda: f"{c['startup_rounds']} for start-up",
+        "exits": lambda: f"{c['exit_rounds']} boots × {c['exit_reps']} for exits",
+        "memory": lambda: f"{c['memory_rounds']} for memory",
+        "workloads": lambda: f"{c['work_rounds']} × {c['work_reps']} for the workloads",
+        "restore": lambda: f"{c['restore_rounds']} for restore",
+        "blk": lambda: f"{c['blk_rounds']} for virtio-blk",
+        "migration": lambda: "for migration " + "; ".join(
+            f"{m['runs']} run{'s' if m['runs'] > 1 else ''} for {m['link']} "
+            + (f"idle {m['gib']} GiB" if m["guest"] == "migrate-idle" else f"dirtying {m['mib']} MiB")
+            for m in c["migration_cases"]),
+    }
+    old = old or {}
+    return [phrase() if key in res else old[key] for key, phrase in phrases.items()
+            if key in res or (key in kept and key in old)]
+
+
 def main():
     results = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "target/bench/results.json"
     docs = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs"
     res = json.loads(results.read_text())
-    m = res["machine"]
-    body = []
-    s_start = startup_section(res, docs, body) if "startup" in res else None
-    s_exit = exits_section(res, docs, body) if "exits" in res else None
-    s_mem = memory_section(res, docs, body) if "memory" in res else None
-    s_mig = migration_section(res, docs, body) if "migration" in res else None
-    s_work = workloads_section(res, docs, body) if "workloads" in res else None
-    s_rest = restore_section(res, docs, body) if "restore" in res else None
+    old = old_page(docs / "benchmarks.md")
+    body, rows, kept = [], [], []
+    for key, heading, render, summarize, prefixes in SECTIONS:
+        if key in res:
+            figures = render(res, docs, body)
+            if figures:
+                summarize(res, figures, rows)
+        elif heading in old["sections"]:
+            # Not in these results: keep what the page showed (see old_page).
+            kept.append(key)
+            body.extend(old["sections"][heading])
+            rows.extend(r for r in old["rows"] if r.startswith(prefixes))
 
     head = ["# Benchmarks\n"]
     head.append(
@@ -563,67 +937,21 @@ def main():
         "up. Runs are interleaved: each round runs every VMM once, in an order that rotates "
         "between rounds. The performance targets are in `../shared/DESIGN.md`.\n")
     if res.get("quick"):
-        head.append("**These figures come from `bench/bench.py --quick` (a smoke test: few rounds).**\n")
-    head.append("## The machine\n")
-    head.append("| | |\n| --- | --- |")
-    head.append(f"| CPUs | {m['nproc']} × {m['cpu']} (a VM itself, shared with other work) |")
-    head.append(f"| memory | {m['memory_gib']} GiB |")
-    head.append(f"| kernel | Linux {m['kernel']} |")
-    head.append(f"| KVM | `{m['kvm_backend']}`: KVM with the **PVM** backend (pagetable-based virtual machine), nested — "
-                "guest ring 3 runs natively, guest ring 0 is executed by instruction emulation; no VT-x/AMD-V |")
-    head.append(f"| TSC | {m['tsc_hz'] / 1e6:.0f} MHz (measured) |")
-    head.append(f"| transparent huge pages | `{m['thp']}` |")
-    head.append(f"| QEMU | {m['qemu']} (Debian `qemu-system-x86`) |")
-    head.append(f"| ferrovm | commit {m['ferrovm_commit']}, release build |")
-    head.append(f"| measured | {m['date']}; the whole run took {res.get('seconds', 0) / 60:.0f} min |")
-    head.append("")
+        which = "These figures" if not kept else "The figures of the sections measured in this run"
+        head.append(f"**{which} come from `bench/bench.py --quick` (a smoke test: few rounds).**\n")
+    if kept and old["machine"]:
+        # The kept sections were measured on the machine the page describes; the sections
+        # measured now carry their own date, commit and TSC rate.
+        head.extend(old["machine"])
+    else:
+        machine_block(res, head)
     head.append("## Summary against the targets\n")
     head.append("| figure | ferrovm | QEMU | floor / reference | target (DESIGN.md) |")
     head.append("| --- | --- | --- | --- | --- |")
-    if s_start:
-        f = s_start["ferrovm"]
-        raw = s_start.get("rawkvm")
-        head.append(f"| process start to first port write | {f:.1f} ms" + (f" ({f / raw:.1f}× floor)" if raw else "")
-                    + f" | microvm {s_start['qemu-microvm']:.0f} ms ({s_start['qemu-microvm'] / f:.1f}× ferrovm); "
-                    f"pc {s_start['qemu-pc'] / 1000:.2f} s ({s_start['qemu-pc'] / f:.0f}× ferrovm) | "
-                    + (f"raw loop {raw:.1f} ms" if raw else "") + " | ≤ 10 ms |")
-    if s_exit:
-        for (ring, test), label in (((0, "pio-out"), "PIO write, ring 0"), ((3, "pio-out"), "PIO write, ring 3"),
-                                     ((0, "mmio-read"), "MMIO read, ring 0"), ((3, "mmio-read"), "MMIO read, ring 3")):
-            r, f, q = s_exit[(ring, test)]
-            head.append(f"| exit round trip: {label} | {f:.2f} µs ({f / r:.2f}× floor) | {q:.2f} µs ({q / r:.2f}× floor) | "
-                        f"raw loop {r:.2f} µs | within 10% of the raw loop" + ("; below QEMU" if "MMIO" in label else "") + " |")
-        if (0, "cr8-write") in s_exit:
-            r, f, q = s_exit[(0, "cr8-write")]
-            head.append(f"| CR8 (TPR) write, ring 0 | {f:.2f} µs ({f / r:.2f}× floor) | {q:.2f} µs ({q / r:.2f}× floor) | "
-                        f"raw loop {r:.2f} µs | measured (DESIGN.md problem 2; no exit where the TPR is shadowed) |")
-    if s_mem:
-        head.append(f"| VMM memory beyond guest RAM (1 GiB guest) | {s_mem['ferrovm']:.1f} MiB | "
-                    f"microvm {s_mem.get('qemu-microvm', 0):.1f} MiB ({s_mem.get('qemu-microvm', 0) / s_mem['ferrovm']:.1f}× ferrovm); "
-                    f"pc {s_mem.get('qemu-pc', 0):.1f} MiB | | < 8 MiB |")
-    if s_mig:
-        for key, v in s_mig.items():
-            link, guest_, cmdline, gib = key
-            if not (v["ferrovm"] and v["qemu"]):
-                continue
-            kind = "idle" if guest_ == "migrate-idle" else f"dirtying {cmdline.split('=')[1]} MiB"
-            head.append(f"| migration {link}, {gib} GiB {kind}: total / guest pause (ferrovm: its downtime) | "
-                        f"{v['ferrovm']:.2f} s / {v['down']['ferrovm']:.1f} ms | "
-                        f"{v['qemu']:.2f} s / {v['down']['qemu']:.1f} ms | QEMU/ferrovm total {v['qemu'] / v['ferrovm']:.2f}× | "
-                        + ("downtime < 50 ms; ≥ 2× QEMU's throughput" if link == "loopback" else
-                           "wire time of the touched pages + 5%") + " |")
-    if s_work:
-        head.append(f"| guest (ring 3) / host time: integer loop, memmove, first touch (host with huge pages) | "
-                    f"{s_work['intloop']:.2f}×, {s_work['memmove']:.2f}×, {s_work['touch']:.2f}× | see §5 | host = 1 | — |")
-    if s_rest:
-        mib = max(k[0] for k in s_rest)
-        lazy, eager = s_rest.get((mib, "warm", "lazy")), s_rest.get((mib, "warm", "eager"))
-        if lazy and eager:
-            head.append(f"| snapshot restore, {res['restore']['memory_mib'] // 1024} GiB guest with {mib} MiB "
-                        f"touched (file in the page cache): process start to the guest's first port write "
-                        f"after the resume | {lazy[0]:.1f} ms (eager: {eager[0]:.0f} ms, "
-                        f"{eager[0] / lazy[0]:.0f}×) | — | | < 50 ms (memory loaded lazily) |")
+    head.extend(rows)
     head.append("")
+    if kept:
+        print(f"kept from the previous {docs / 'benchmarks.md'} (no results for them): {', '.join(kept)}")
 
     tail = ["## Guest against host on a hardware-virtualization host\n"]
     tail.append(
@@ -657,22 +985,21 @@ def main():
         "                           # bench/bench.py, then bench/report.py -> docs/benchmarks.md\n"
         "sudo make bench BENCH_ARGS=--quick     # a smoke test: few rounds, about 2 minutes\n"
         "sudo bench/run.sh --only exits,memory  # remeasure some sections, keep the others\n"
+        "sudo bench/run.sh --only blk --set blk_rounds=3   # any setting of config() in bench.py\n"
         "/usr/bin/python3 bench/report.py       # re-render from target/bench/results.json\n"
         "                                       # (any python3 with matplotlib)\n"
         "```\n")
     tail.append(
+        "`--only` merges into an existing `target/bench/results.json`. Without one (a fresh "
+        "checkout), `report.py` renders the sections it has results for and keeps the other "
+        "numbered sections, their summary rows and the machine block from the existing "
+        "`docs/benchmarks.md` word for word (it says which on its output); sections measured "
+        "that way state their own date, commit and TSC rate.\n")
+    tail.append(
         "Needs root (network namespaces and `tc` for the 1 Gbit/s link) and `/dev/kvm`. Every "
         "sample is kept in `target/bench/results.json`. Rounds here: "
-        f"{res['config']['startup_rounds']} for start-up, {res['config']['exit_rounds']} boots × "
-        f"{res['config']['exit_reps']} for exits, {res['config']['memory_rounds']} for memory, "
-        f"{res['config']['work_rounds']} × {res['config']['work_reps']} for the workloads, "
-        + (f"{res['config']['restore_rounds']} for restore, " if "restore_rounds" in res["config"] else "")
-        + "and "
-        "for migration " + "; ".join(
-            f"{c['runs']} run{'s' if c['runs'] > 1 else ''} for {c['link']} "
-            f"{'idle ' + str(c['gib']) + ' GiB' if c['guest'] == 'migrate-idle' else 'dirtying ' + str(c['mib']) + ' MiB'}"
-            for c in res["config"]["migration_cases"])
-        + ", to keep `make bench` under 20 minutes on this 2-CPU machine.\n")
+        + and_list(rounds_phrases(res, kept, old["rounds"])) + ", to keep `make bench` under 20 minutes on this "
+        "2-CPU machine.\n")
     tail.append("## Files\n")
     tail.append(
         "| path | what |\n| --- | --- |\n"
@@ -684,7 +1011,9 @@ def main():
         "| `bench/qmp.py` | minimal QMP client for QEMU's migration |\n"
         "| `bench/migration.sh` | ferrovm migration cases (also its own table, docs/migration.md) |\n"
         "| `bench/linux-initramfs.sh` | `hostbench` as the `/init` of an initramfs |\n"
-        "| `guests/bench-start.c`, `guests/bench-exit.c`, `guests/bench-work.c`, `guests/bench-restore.c` | the benchmark guests |\n")
+        "| `bench/blkhost.c` | the host floor of the virtio-blk benchmark |\n"
+        "| `guests/bench-start.c`, `guests/bench-exit.c`, `guests/bench-work.c`, `guests/bench-restore.c`, "
+        "`guests/bench-blk.c` | the benchmark guests |\n")
     text = "\n".join(head + body + tail)
     notes = ROOT / "bench/notes.md"
     if notes.exists():

@@ -12,6 +12,8 @@ command -v make >/dev/null || need_apt+=(make)
 # and the kernel's user-space headers.
 ldconfig -p 2>/dev/null | grep 'libclang[-.0-9]*\.so' >/dev/null || need_apt+=(libclang-dev)
 [ -e /usr/include/linux/userfaultfd.h ] || need_apt+=(linux-libc-dev)
+# scripts/seccomp-profile.sh traces the VMM's threads with it.
+command -v strace >/dev/null || need_apt+=(strace)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "installing Debian packages: ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive

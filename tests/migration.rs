@@ -437,7 +437,9 @@ fn idle_source_at_tick_2(dir: &Path) -> Vm {
             "--kernel",
             kernel.to_str().unwrap(),
             "--cmdline",
-            "mib=32 ticks=5",
+            // Enough ticks that the guest outlives a snapshot, a restore and a migration of
+            // it on a loaded host (each tick is a second).
+            "mib=32 ticks=10",
             "--memory",
             "256M",
         ],
@@ -1132,11 +1134,12 @@ fn a_migration_is_cancelled_and_the_guest_is_left_as_it_was() {
     let mut start_dest = |name: &str| {
         let port = free_port();
         let listen = format!("tcp:127.0.0.1:{port}");
+        // With an API socket, which start waits for: the destination listens by then.
         dests.push(Vm::start(
             &["--incoming", &listen, "--memory", "256M"],
             &dir,
             name,
-            false,
+            true,
         ));
         listen
     };

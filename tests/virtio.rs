@@ -1095,3 +1095,29 @@ fn user_space_notify_and_msi_injection() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// With MSI-X left off, completions arrive as INTx: the function's interrupt line is the
+/// GSI the _PRT gives its slot, level-triggered through the I/O APIC in both irqchip modes,
+/// lowered when the driver reads the ISR.
+#[test]
+fn intx_completions_in_both_irqchip_modes() {
+    for irqchip in ["kernel", "split"] {
+        let dir = scratch(&format!("intx-{irqchip}"));
+        let image = sparse_image(&dir, "disk.img");
+        let disk = disk(&image, "");
+        let r = run_guest(
+            "blk-intx",
+            &["--irqchip", irqchip, "--disk", &disk, "--cmdline", "n=16"],
+        );
+        expect_pass(&r);
+        expect_lines(
+            &r.stdout,
+            &[
+                "intx: slot 1 INTA# -> GSI 17 -> vector 0x60, level-triggered",
+                "intx: 16 reads",
+                "16 with the queue bit",
+            ],
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -132,6 +132,18 @@ pub(crate) fn parse<R: Read + Seek + ?Sized>(
         });
     }
     let table_len = u64::from(phnum) * u64::from(phentsize);
+    // Checked before allocating: e_phnum alone would size a 3.6 MiB buffer for a tiny file.
+    if phoff
+        .checked_add(table_len)
+        .is_none_or(|end| end > file_len)
+    {
+        return Err(LoadError::Truncated {
+            what: "program header table",
+            offset: phoff,
+            len: table_len,
+            file_len,
+        });
+    }
     let mut table = vec![0u8; table_len as usize];
     read_at(file, phoff, &mut table, file_len, "program header table")?;
 
@@ -293,6 +305,27 @@ mod tests {
         let e = parse(&mut c, len).unwrap();
         assert!(!e.is_64);
         assert_eq!(find_pvh_entry(&mut c, len, &e).unwrap(), Some(0x0020_0000));
+    }
+
+    /// Regression: a huge e_phnum in a small file allocated the whole claimed table first.
+    #[test]
+    fn program_header_count_does_not_size_an_allocation() {
+        let mut img = elf_image(&ElfSpec {
+            is_64: true,
+            notes: Some(pvh_note(0x0010_0000)),
+            segments: vec![Seg::new(0x10_0000, vec![0x90; 64], 0x1000)],
+            entry: 0x10_0000,
+            ..Default::default()
+        });
+        img[56..58].copy_from_slice(&0xffffu16.to_le_bytes());
+        let len = img.len() as u64;
+        let result = testkit::bounded(testkit::Bounds::alloc(64 << 10), move || {
+            parse(&mut Cursor::new(img), len).map(|_| ())
+        });
+        assert!(
+            matches!(result, Err(LoadError::Truncated { len, .. }) if len == 0xffff * 56),
+            "{result:?}"
+        );
     }
 
     #[test]

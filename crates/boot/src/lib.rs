@@ -17,7 +17,14 @@ pub mod mptable;
 pub mod multiboot;
 
 #[cfg(test)]
+mod loader_props;
+#[cfg(test)]
 mod testutil;
+
+// The property tests measure the largest allocation a loader makes.
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: testkit::PeakAlloc = testkit::PeakAlloc;
 
 pub use gdt::{segment_from_gdt_entry, SegmentDescriptor};
 pub use layout::{e820_map, ram_regions, E820Entry, E820Kind};

@@ -286,3 +286,124 @@ pub fn bzimage(spec: &BzSpec) -> Vec<u8> {
     out.extend_from_slice(&spec.payload);
     out
 }
+
+/// A valid kernel image and the offsets (and widths) of its length, count, offset and
+/// address fields: a seed for the property tests and for the fuzz corpus.
+#[derive(Clone, Debug)]
+pub struct SeedImage {
+    pub name: &'static str,
+    pub bytes: Vec<u8>,
+    pub fields: Vec<(usize, u8)>,
+}
+
+fn seed_pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Field offsets of an image built by [`elf_image`] from `spec`.
+fn elf_fields(spec: &ElfSpec) -> Vec<(usize, u8)> {
+    let is_64 = spec.is_64;
+    let nph = spec.segments.len() + usize::from(spec.notes.is_some());
+    let phoff = ehsize(is_64);
+    let mut f: Vec<(usize, u8)> = if is_64 {
+        vec![(16, 2), (18, 2), (24, 8), (32, 8), (54, 2), (56, 2)]
+    } else {
+        vec![(16, 2), (18, 2), (24, 4), (28, 4), (42, 2), (44, 2)]
+    };
+    for i in 0..nph {
+        let at = phoff + i * phentsize(is_64);
+        let (w, offs): (u8, &[usize]) = if is_64 {
+            (8, &[8, 16, 24, 32, 40, 48])
+        } else {
+            (4, &[4, 8, 12, 16, 20, 28])
+        };
+        f.push((at, 4));
+        f.extend(offs.iter().map(|o| (at + o, w)));
+    }
+    if spec.notes.is_some() {
+        let notes_off = (phoff + nph * phentsize(is_64) + 7) & !7;
+        f.extend([0, 4, 8, 16].map(|o| (notes_off + o, 4)));
+    }
+    f
+}
+
+fn elf_seed(name: &'static str, spec: ElfSpec) -> SeedImage {
+    SeedImage {
+        name,
+        fields: elf_fields(&spec),
+        bytes: elf_image(&spec),
+    }
+}
+
+/// One valid image of each format and class the loader takes (PVH ELF64 and ELF32,
+/// Multiboot ELF32 and ELF64, Multiboot a.out kludge, bzImage), each loadable in 32 MiB.
+pub fn seed_images() -> Vec<SeedImage> {
+    let pvh = |is_64| ElfSpec {
+        is_64,
+        entry: 0xffff_ffff_8100_0000,
+        notes: Some(pvh_note(0x10_0010)),
+        segments: vec![
+            Seg::new(0x10_0000, seed_pattern(0x1800, 1), 0x4000),
+            Seg::new(0x20_0000, seed_pattern(0x100, 2), 0x100),
+        ],
+        ..Default::default()
+    };
+    let multiboot = |is_64| {
+        let mut text = mb_header(3 | crate::multiboot::MB_HEADER_VIDEO_MODE, None);
+        text.resize(0x800, 0xf4);
+        ElfSpec {
+            is_64,
+            entry: 0xc010_0040,
+            segments: vec![
+                Seg {
+                    paddr: 0x10_0000,
+                    vaddr: 0xc010_0000,
+                    data: text,
+                    memsz: 0x3000,
+                },
+                Seg::new(0x40_0000, vec![], 0x2000),
+            ],
+            ..Default::default()
+        }
+    };
+    let mut aout = vec![0x90u8; 0x40];
+    aout.extend_from_slice(&mb_header(
+        crate::multiboot::MB_HEADER_AOUT_KLUDGE,
+        Some([0x20_0040, 0x20_0000, 0, 0x20_3000, 0x20_0080]),
+    ));
+    aout.resize(0x400, 0xf4);
+    let mut bz = BzSpec::default();
+    bz.payload.truncate(0x400);
+    bz.pref_address = 0x40_0000;
+    bz.init_size = 0x20_0000;
+    let bz_fields = [
+        (0x1f1, 1),
+        (0x201, 1),
+        (0x206, 2),
+        (0x211, 1),
+        (0x22c, 4),
+        (0x230, 4),
+        (0x234, 1),
+        (0x238, 4),
+        (0x258, 8),
+        (0x260, 4),
+    ];
+    vec![
+        elf_seed("pvh-elf64", pvh(true)),
+        elf_seed("pvh-elf32", pvh(false)),
+        elf_seed("multiboot-elf32", multiboot(false)),
+        elf_seed("multiboot-elf64", multiboot(true)),
+        SeedImage {
+            name: "multiboot-aout",
+            bytes: aout,
+            fields: (0x40..0x60).step_by(4).map(|o| (o, 4)).collect(),
+        },
+        SeedImage {
+            name: "bzimage",
+            bytes: bzimage(&bz),
+            fields: bz_fields.to_vec(),
+        },
+    ]
+}

@@ -49,9 +49,7 @@ impl OutputQueue {
             capacity,
         });
         let q = queue.clone();
-        std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || q.write_out(out))?;
+        sandbox::spawn(sandbox::Role::DeviceIo, name, move || q.write_out(out))?;
         let writer = QueuedWriter {
             queue: queue.clone(),
         };

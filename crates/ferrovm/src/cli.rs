@@ -109,6 +109,18 @@ pub struct RunArgs {
     /// longer depends on the file).
     #[arg(long, requires = "restore")]
     pub restore_eager: bool,
+    /// System call filters on every thread (docs/security.md): `kill` stops the VMM with a
+    /// message on a forbidden call, `log` lets the kernel log it, `off` installs none
+    /// (default kill on x86-64 Linux, off elsewhere; FERROVM_SECCOMP sets the default).
+    #[arg(long, value_enum, env = "FERROVM_SECCOMP", value_name = "off|log|kill")]
+    pub seccomp: Option<SeccompArg>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum SeccompArg {
+    Off,
+    Log,
+    Kill,
 }
 
 impl RunArgs {
@@ -164,6 +176,12 @@ impl RunArgs {
             config.console = parse_console(console)?;
         }
         config.rng = self.rng;
+        config.seccomp = match self.seccomp {
+            Some(SeccompArg::Off) => sandbox::Mode::Off,
+            Some(SeccompArg::Log) => sandbox::Mode::Log,
+            Some(SeccompArg::Kill) => sandbox::Mode::Kill,
+            None => sandbox::Mode::platform_default(),
+        };
         Ok(config)
     }
 }

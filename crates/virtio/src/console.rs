@@ -14,12 +14,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use devices::exit::Waker;
 use devices::{DeviceState, LifecycleError, StateError};
 use serde::{Deserialize, Serialize};
-use virtio_bindings::bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{DescriptorChain, QueueState};
 use vm_memory::GuestMemory;
 
 use crate::rng::COMMON_FEATURES;
-use crate::worker::{QueueHandler, Worker, WorkerConfig};
+use crate::worker::{QueueHandler, Workers};
 use crate::{device_type, ActivateError, ActiveQueue, Interrupt, VirtioDevice};
 
 /// Size of each queue.
@@ -130,8 +129,7 @@ struct ConsoleState {}
 pub struct Console {
     output: Sink,
     input: Option<Arc<InputBuffer>>,
-    worker: Option<Worker>,
-    paused: bool,
+    workers: Workers,
 }
 
 impl Console {
@@ -169,17 +167,16 @@ impl Console {
                     arrived: Arc::new(Waker::new()?),
                 });
                 let pump = buffer.clone();
-                std::thread::Builder::new()
-                    .name("virtio-con-in".into())
-                    .spawn(move || pump.pump(source))?;
+                sandbox::spawn(sandbox::Role::DeviceIo, "virtio-con-in", move || {
+                    pump.pump(source)
+                })?;
                 Some(buffer)
             }
         };
         Ok(Console {
             output: Arc::new(Mutex::new(output)),
             input,
-            worker: None,
-            paused: false,
+            workers: Workers::default(),
         })
     }
 }
@@ -274,46 +271,35 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Console {
                 "virtio-console: expected receiveq 0 and transmitq 1".into(),
             ));
         }
-        self.worker = None;
-        let config = WorkerConfig {
-            name: "virtio-console".into(),
-            mem,
-            queues,
-            interrupt,
-            event_idx: acked_features & 1 << VIRTIO_RING_F_EVENT_IDX != 0,
-            start_paused: self.paused,
-        };
+        self.workers.stop();
         let handler = ConsoleHandler {
             output: self.output.clone(),
             input: self.input.clone(),
         };
-        let worker = Worker::spawn(config, handler)
-            .map_err(|e| ActivateError(format!("virtio-console: cannot start its worker: {e}")))?;
-        self.worker = Some(worker);
-        Ok(())
+        self.workers.spawn(
+            "virtio-console".into(),
+            mem,
+            acked_features,
+            queues,
+            interrupt,
+            handler,
+        )
     }
 
     fn reset(&mut self) -> Vec<ActiveQueue> {
-        self.worker.take().map(Worker::stop).unwrap_or_default()
+        self.workers.stop()
     }
 
     fn pause(&mut self) -> Result<(), LifecycleError> {
-        self.paused = true;
-        self.worker.as_ref().map_or(Ok(()), Worker::pause)
+        self.workers.pause()
     }
 
     fn resume(&mut self) -> Result<(), LifecycleError> {
-        self.paused = false;
-        self.worker.as_ref().map_or(Ok(()), Worker::resume)
+        self.workers.resume()
     }
 
     fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
-        Some(
-            self.worker
-                .as_ref()
-                .map(Worker::queue_states)
-                .unwrap_or_default(),
-        )
+        self.workers.queue_states()
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {

@@ -13,7 +13,7 @@ use virtio_bindings::bindings::virtio_ring::{
 use virtio_queue::{DescriptorChain, QueueState};
 use vm_memory::GuestMemory;
 
-use crate::worker::{QueueHandler, Worker, WorkerConfig};
+use crate::worker::{QueueHandler, Workers};
 use crate::{device_type, ActivateError, ActiveQueue, Interrupt, VirtioDevice};
 
 /// Size of the request queue.
@@ -34,8 +34,7 @@ struct RngState {}
 /// A virtio-rng device.
 #[derive(Default)]
 pub struct Rng {
-    worker: Option<Worker>,
-    paused: bool,
+    workers: Workers,
 }
 
 impl Rng {
@@ -127,45 +126,34 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Rng {
                 queues.len()
             )));
         }
-        self.worker = None;
-        let config = WorkerConfig {
-            name: "virtio-rng".into(),
-            mem,
-            queues,
-            interrupt,
-            event_idx: acked_features & 1 << VIRTIO_RING_F_EVENT_IDX != 0,
-            start_paused: self.paused,
-        };
+        self.workers.stop();
         let handler = RngHandler {
             scratch: Vec::new(),
         };
-        let worker = Worker::spawn(config, handler)
-            .map_err(|e| ActivateError(format!("virtio-rng: cannot start its worker: {e}")))?;
-        self.worker = Some(worker);
-        Ok(())
+        self.workers.spawn(
+            "virtio-rng".into(),
+            mem,
+            acked_features,
+            queues,
+            interrupt,
+            handler,
+        )
     }
 
     fn reset(&mut self) -> Vec<ActiveQueue> {
-        self.worker.take().map(Worker::stop).unwrap_or_default()
+        self.workers.stop()
     }
 
     fn pause(&mut self) -> Result<(), LifecycleError> {
-        self.paused = true;
-        self.worker.as_ref().map_or(Ok(()), Worker::pause)
+        self.workers.pause()
     }
 
     fn resume(&mut self) -> Result<(), LifecycleError> {
-        self.paused = false;
-        self.worker.as_ref().map_or(Ok(()), Worker::resume)
+        self.workers.resume()
     }
 
     fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
-        Some(
-            self.worker
-                .as_ref()
-                .map(Worker::queue_states)
-                .unwrap_or_default(),
-        )
+        self.workers.queue_states()
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {

@@ -24,10 +24,11 @@ use std::time::{Duration, Instant};
 
 use devices::exit::Waker;
 use devices::LifecycleError;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{DescriptorChain, QueueState, QueueT};
 use vm_memory::GuestMemory;
 
-use crate::{ActiveQueue, Interrupt};
+use crate::{ActivateError, ActiveQueue, Interrupt};
 
 /// How long `pause` and `stop` wait for a worker to finish the request in hand.
 pub const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -188,13 +189,11 @@ impl Worker {
             extra: handler.extra_wakers(),
             handler,
         };
-        let thread = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || {
-                let _guard = ExitGuard(state.control.clone());
-                state.run();
-                state.queues
-            })?;
+        let thread = sandbox::spawn(sandbox::Role::DeviceIo, name.clone(), move || {
+            let _guard = ExitGuard(state.control.clone());
+            state.run();
+            state.queues
+        })?;
         Ok(Worker {
             name,
             control,
@@ -285,6 +284,76 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// A device's I/O threads and whether the device is paused: what every device's `activate`,
+/// `reset`, `pause`, `resume` and `queue_states` share.
+#[derive(Default)]
+pub struct Workers {
+    workers: Vec<Worker>,
+    paused: bool,
+}
+
+impl Workers {
+    /// Starts a thread named `name` serving `queues` with `handler`; parked if the device
+    /// is paused. On failure every thread of the set is stopped.
+    pub fn spawn<M, H>(
+        &mut self,
+        name: String,
+        mem: Arc<M>,
+        acked_features: u64,
+        queues: Vec<ActiveQueue>,
+        interrupt: Arc<dyn Interrupt>,
+        handler: H,
+    ) -> Result<(), ActivateError>
+    where
+        M: GuestMemory + Send + Sync + 'static,
+        H: QueueHandler<M>,
+    {
+        let config = WorkerConfig {
+            event_idx: acked_features & 1 << VIRTIO_RING_F_EVENT_IDX != 0,
+            start_paused: self.paused,
+            name,
+            mem,
+            queues,
+            interrupt,
+        };
+        let name = config.name.clone();
+        match Worker::spawn(config, handler) {
+            Ok(worker) => {
+                self.workers.push(worker);
+                Ok(())
+            }
+            Err(e) => {
+                self.stop();
+                Err(ActivateError(format!(
+                    "{name}: cannot start its worker: {e}"
+                )))
+            }
+        }
+    }
+
+    /// Stops every thread and hands their queues back.
+    pub fn stop(&mut self) -> Vec<ActiveQueue> {
+        self.workers.drain(..).flat_map(Worker::stop).collect()
+    }
+
+    /// Asks every thread to pause, then waits for each (they drain in parallel).
+    pub fn pause(&mut self) -> Result<(), LifecycleError> {
+        self.paused = true;
+        self.workers.iter().for_each(Worker::request_pause);
+        self.workers.iter().try_for_each(Worker::wait_paused)
+    }
+
+    pub fn resume(&mut self) -> Result<(), LifecycleError> {
+        self.paused = false;
+        self.workers.iter().try_for_each(Worker::resume)
+    }
+
+    /// Every served queue's position; empty before activation.
+    pub fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
+        Some(self.workers.iter().flat_map(Worker::queue_states).collect())
     }
 }
 

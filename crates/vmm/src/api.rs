@@ -52,9 +52,10 @@ pub struct MigrateRequest {
     pub warm: bool,
 }
 
+/// One control request, as [`parse_request`] reads it.
 #[derive(Debug, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
-enum Request {
+pub enum Request {
     Status,
     Pause,
     Resume {
@@ -68,6 +69,11 @@ enum Request {
     },
     Migrate(MigrateRequest),
     MigrateCancel,
+}
+
+/// Parses one request line (untrusted bytes from the socket; no I/O, so it can be fuzzed).
+pub fn parse_request(line: &[u8]) -> Result<Request> {
+    serde_json::from_slice(line).map_err(|e| Error::Control(format!("bad request: {e}")))
 }
 
 /// What the API reports about the machine.
@@ -124,9 +130,9 @@ impl Api {
     /// Serves one request: the reply, and the exit to request once the reply has been
     /// written (so that the client hears about it before the process ends).
     fn handle(&self, line: &str, stream: &mut UnixStream) -> (Value, Option<ExitReason>) {
-        let request: Request = match serde_json::from_str(line) {
+        let request = match parse_request(line.as_bytes()) {
             Ok(r) => r,
-            Err(e) => return (error_reply(&format!("bad request: {e}")), None),
+            Err(e) => return (error_reply(&e.to_string()), None),
         };
         let mut then_exit = None;
         let sup = &self.supervisor;
@@ -138,7 +144,9 @@ impl Api {
                 then_exit = Some(ExitReason::PowerOff);
                 Self::state_reply(RunState::Stopping)
             }),
-            Request::Snapshot { path } => sup.snapshot(&path),
+            Request::Snapshot { path } => {
+                on_migration_thread(sup, move |sup, _| sup.snapshot(&path), |_| {})
+            }
             Request::MigrateCancel => sup
                 .cancel_migration()
                 .map(|()| json!({"ok": true, "cancelled": true})),
@@ -147,7 +155,11 @@ impl Api {
                     *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
                     let _ = writeln!(stream, "{}", json!({"progress": p}));
                 };
-                let result = sup.migrate(&req, &mut progress);
+                let result = on_migration_thread(
+                    sup,
+                    move |sup, progress| sup.migrate(&req, progress),
+                    &mut progress,
+                );
                 *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = None;
                 if result.is_ok() {
                     // The destination runs the guest now: this copy must never run
@@ -169,23 +181,57 @@ impl Api {
     }
 }
 
+/// What the migration thread sends back to the API thread that started it.
+enum Step {
+    Progress(Value),
+    Done(Result<Value>),
+}
+
+/// Runs a snapshot or a migration on a thread of its own (role `migration`): the API threads,
+/// which parse what clients send, are then not allowed the file and network calls it makes.
+/// Its progress reports come back here, to `progress`, which writes them to the client.
+fn on_migration_thread(
+    supervisor: &Arc<Supervisor>,
+    work: impl FnOnce(&Supervisor, &mut dyn FnMut(Value)) -> Result<Value> + Send + 'static,
+    mut progress: impl FnMut(Value),
+) -> Result<Value> {
+    let (tx, steps) = std::sync::mpsc::channel();
+    let sup = supervisor.clone();
+    sandbox::spawn(sandbox::Role::Migration, "migration", move || {
+        let reports = tx.clone();
+        let mut report = move |p: Value| {
+            let _ = reports.send(Step::Progress(p));
+        };
+        let result = work(&sup, &mut report);
+        let _ = tx.send(Step::Done(result));
+    })
+    .map_err(|e| Error::Control(format!("cannot start the migration thread: {e}")))?;
+    for step in steps {
+        match step {
+            Step::Progress(p) => progress(p),
+            Step::Done(result) => return result,
+        }
+    }
+    Err(Error::Control(
+        "the migration thread ended without a result".into(),
+    ))
+}
+
 fn error_reply(message: &str) -> Value {
     json!({"ok": false, "error": message})
 }
 
 /// Serves the API until the process exits.
 pub fn serve(listener: UnixListener, api: Arc<Api>) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name("api".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
-                let api = api.clone();
-                let _ = std::thread::Builder::new()
-                    .name("api-conn".into())
-                    .spawn(move || serve_connection(stream, &api));
-            }
-        })?;
+    sandbox::spawn(sandbox::Role::Api, "api", move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let api = api.clone();
+            let _ = sandbox::spawn(sandbox::Role::Api, "api-conn", move || {
+                serve_connection(stream, &api)
+            });
+        }
+    })?;
     Ok(())
 }
 

@@ -101,6 +101,8 @@ pub struct VmConfig {
     /// `--restore-eager`: copy a snapshot's pages into guest RAM before the guest runs,
     /// instead of mapping the file.
     pub restore_eager: bool,
+    /// `--seccomp`: what the threads' system call filters do with a forbidden call.
+    pub seccomp: sandbox::Mode,
 }
 
 impl VmConfig {
@@ -120,6 +122,7 @@ impl VmConfig {
             api_socket: None,
             restore_verify: false,
             restore_eager: false,
+            seccomp: sandbox::Mode::platform_default(),
             disks: Vec::new(),
             console: ConsoleConfig::Serial,
             rng: false,

@@ -62,19 +62,17 @@ impl RunControl {
         }
         if thread.is_none() {
             let control = self.clone();
-            *thread = std::thread::Builder::new()
-                .name("throttle".into())
-                .spawn(move || {
-                    while control.throttle.load(Ordering::Acquire) > 0 {
-                        if let Some(kickers) = control.kickers.get() {
-                            for k in kickers {
-                                let _ = k.kick();
-                            }
+            *thread = sandbox::spawn(sandbox::Role::Timer, "throttle", move || {
+                while control.throttle.load(Ordering::Acquire) > 0 {
+                    if let Some(kickers) = control.kickers.get() {
+                        for k in kickers {
+                            let _ = k.kick();
                         }
-                        std::thread::sleep(THROTTLE_SLICE);
                     }
-                })
-                .ok();
+                    std::thread::sleep(THROTTLE_SLICE);
+                }
+            })
+            .ok();
         }
     }
 

@@ -45,6 +45,8 @@ pub enum Error {
     State(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Sandbox(#[from] sandbox::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

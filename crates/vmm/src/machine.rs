@@ -64,6 +64,8 @@ impl Outcome {
 
 /// Builds the machine described by `config`, runs it to the end and tears it down.
 pub fn run(config: VmConfig) -> Result<Outcome> {
+    // First, so that every thread of the machine starts in its role's sandbox.
+    sandbox::start(config.seccomp)?;
     let machine = Machine::build(&config)?;
     machine.run()
 }
@@ -385,6 +387,9 @@ impl Machine {
             self.context.control.start_paused();
         }
         let signals = SignalWatch::install()?;
+        // Built, restored or received: from here on the main thread only starts, watches and
+        // stops the machine.
+        sandbox::enter(sandbox::Role::Main)?;
         let timer_thread = match self.timers.take() {
             Some(devices) if devices.has_timers() => Some(TimerThread::spawn(devices)?),
             // Nothing to drive (bhyve: the PIT and RTC are in the kernel).

@@ -114,10 +114,7 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
     for disk in &config.disks {
         // A migration destination takes the locks from its source at the hand-over.
         let incoming = matches!(config.start, crate::config::StartFrom::Incoming(_));
-        models.push((
-            "virtio-blk",
-            Box::new(open_disk(disk, config.cpus, incoming)?),
-        ));
+        models.push(("virtio-blk", Box::new(open_disk(disk, incoming)?)));
     }
     if config.console == ConsoleConfig::Virtio {
         models.push(("virtio-console", Box::new(open_console(&config.serial)?)));
@@ -177,9 +174,8 @@ fn plug(
     Ok(function)
 }
 
-/// Opens a `--disk` image, locked unless `defer_lock`. A disk gets at most one queue per
-/// vCPU.
-fn open_disk(disk: &DiskConfig, cpus: u32, defer_lock: bool) -> Result<Block> {
+/// Opens a `--disk` image, locked unless `defer_lock`.
+fn open_disk(disk: &DiskConfig, defer_lock: bool) -> Result<Block> {
     let options = BlockOptions {
         path: disk.path.clone(),
         readonly: disk.readonly,
@@ -188,10 +184,7 @@ fn open_disk(disk: &DiskConfig, cpus: u32, defer_lock: bool) -> Result<Block> {
             DiskCache::Writeback => CacheMode::Writeback,
             DiskCache::None => CacheMode::None,
         },
-        queues: disk
-            .queues
-            .min(u16::try_from(cpus).unwrap_or(u16::MAX))
-            .max(1),
+        queues: disk.queues,
         defer_lock,
     };
     Block::new(options).map_err(|e| Error::Option {

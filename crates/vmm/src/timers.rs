@@ -81,9 +81,9 @@ impl TimerThread {
         let wake = devices.wake.clone();
         let gate = devices.gate.clone();
         let thread_stop = stop.clone();
-        let handle = std::thread::Builder::new()
-            .name("timers".into())
-            .spawn(move || run(devices, &thread_stop))?;
+        let handle = sandbox::spawn(sandbox::Role::Timer, "timers", move || {
+            run(devices, &thread_stop)
+        })?;
         Ok(TimerThread {
             stop,
             wake,

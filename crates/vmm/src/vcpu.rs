@@ -46,25 +46,29 @@ pub struct VcpuThread {
 pub fn spawn(vcpu: Box<dyn Vcpu>, ctx: Arc<VcpuContext>) -> Result<VcpuThread> {
     let id = vcpu.id();
     let (tx, rx) = std::sync::mpsc::channel();
-    let handle = std::thread::Builder::new()
-        .name(format!("vcpu{id}"))
-        .spawn(move || {
-            let mut vcpu = vcpu;
-            match vcpu.bind_kicker() {
-                Ok(kicker) => {
-                    let _ = tx.send(Ok(kicker));
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
-                    return Ok(());
-                }
-            }
+    // The kick handler is installed before the vCPU's filter, which has no rt_sigaction.
+    let bind = move || {
+        let mut vcpu = vcpu;
+        let bound = vcpu.bind_kicker();
+        let ok = bound.is_ok();
+        let _ = tx.send(bound);
+        ok.then_some(vcpu)
+    };
+    let handle = sandbox::spawn_with_setup(
+        sandbox::Role::Vcpu,
+        format!("vcpu{id}"),
+        bind,
+        move |bound| {
+            let Some(mut vcpu) = bound else {
+                return Ok(());
+            };
             let result = run_loop(vcpu.as_mut(), &ctx);
             if result.is_err() {
                 ctx.exit.request(ExitReason::VcpuFailed(id));
             }
             result
-        })?;
+        },
+    )?;
     let kicker = rx
         .recv()
         .map_err(|_| Error::Vcpu {

@@ -37,7 +37,7 @@ pub use image::{DiskImage, ImageError, ImageErrorKind, ImageKind, SECTOR_SIZE};
 pub use options::{BlockOptions, CacheMode, MAX_QUEUES, MAX_SERIAL_LEN};
 use request::{BlockHandler, MAX_RANGE_SECTORS, MAX_RANGE_SEGMENTS};
 
-use crate::worker::{Worker, WorkerConfig};
+use crate::worker::Workers;
 use crate::{device_type, ActivateError, ActiveQueue, Interrupt, VirtioDevice};
 
 /// Size of each request queue.
@@ -104,9 +104,8 @@ pub struct Block {
     image: Arc<DiskImage>,
     options: BlockOptions,
     config: Vec<u8>,
-    workers: Vec<Worker>,
+    workers: Workers,
     acked_features: u64,
-    paused: bool,
 }
 
 impl Block {
@@ -118,9 +117,8 @@ impl Block {
             image: Arc::new(image),
             options,
             config,
-            workers: Vec::new(),
+            workers: Workers::default(),
             acked_features: 0,
-            paused: false,
         })
     }
 
@@ -131,10 +129,6 @@ impl Block {
 
     pub fn options(&self) -> &BlockOptions {
         &self.options
-    }
-
-    fn stop_workers(&mut self) -> Vec<ActiveQueue> {
-        self.workers.drain(..).flat_map(Worker::stop).collect()
     }
 }
 
@@ -226,28 +220,19 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
                 self.options.queues
             )));
         }
-        self.stop_workers();
+        self.workers.stop();
         let flush = acked_features & 1 << VIRTIO_BLK_F_FLUSH != 0;
+        let serial = self.options.serial.as_deref().unwrap_or("");
         for queue in queues {
-            let config = WorkerConfig {
-                name: format!("virtio-blk-q{}", queue.index),
-                mem: mem.clone(),
-                queues: vec![queue],
-                interrupt: interrupt.clone(),
-                event_idx: acked_features & 1 << VIRTIO_RING_F_EVENT_IDX != 0,
-                start_paused: self.paused,
-            };
-            let serial = self.options.serial.as_deref().unwrap_or("");
             let handler = BlockHandler::new(self.image.clone(), flush, serial);
-            match Worker::spawn(config, handler) {
-                Ok(worker) => self.workers.push(worker),
-                Err(e) => {
-                    self.stop_workers();
-                    return Err(ActivateError(format!(
-                        "virtio-blk: cannot start a worker: {e}"
-                    )));
-                }
-            }
+            self.workers.spawn(
+                format!("virtio-blk-q{}", queue.index),
+                mem.clone(),
+                acked_features,
+                vec![queue],
+                interrupt.clone(),
+                handler,
+            )?;
         }
         self.acked_features = acked_features;
         Ok(())
@@ -255,18 +240,15 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
 
     fn reset(&mut self) -> Vec<ActiveQueue> {
         self.acked_features = 0;
-        self.stop_workers()
+        self.workers.stop()
     }
 
     fn pause(&mut self) -> Result<(), LifecycleError> {
-        self.paused = true;
-        self.workers.iter().for_each(Worker::request_pause);
-        self.workers.iter().try_for_each(Worker::wait_paused)
+        self.workers.pause()
     }
 
     fn resume(&mut self) -> Result<(), LifecycleError> {
-        self.paused = false;
-        self.workers.iter().try_for_each(Worker::resume)
+        self.workers.resume()
     }
 
     fn hand_over(&mut self) -> Result<(), LifecycleError> {
@@ -280,7 +262,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
     }
 
     fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
-        Some(self.workers.iter().flat_map(Worker::queue_states).collect())
+        self.workers.queue_states()
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {

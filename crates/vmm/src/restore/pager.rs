@@ -186,9 +186,9 @@ impl Pager {
         let pager = Arc::new(self);
         let stop = Arc::new(AtomicBool::new(false));
         let (p, s) = (pager.clone(), status.clone());
-        std::thread::Builder::new()
-            .name("snapshot-faults".into())
-            .spawn(move || serve_faults(p, &s))?;
+        sandbox::spawn(sandbox::Role::RestoreFaults, "snapshot-faults", move || {
+            serve_faults(p, &s)
+        })?;
         let workers = if prefetch {
             std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_PREFETCH_WORKERS))
         } else {
@@ -206,9 +206,11 @@ impl Pager {
         };
         for index in 0..workers {
             let (p, s, shared) = (pager.clone(), status.clone(), shared.clone());
-            let spawned = std::thread::Builder::new()
-                .name(format!("snapshot-prefetch-{index}"))
-                .spawn(move || prefetch_all(p, &s, &shared, index));
+            let spawned = sandbox::spawn(
+                sandbox::Role::RestoreFaults,
+                format!("snapshot-prefetch-{index}"),
+                move || prefetch_all(p, &s, &shared, index),
+            );
             match spawned {
                 Ok(t) => threads.prefetch.push(t),
                 Err(e) => {

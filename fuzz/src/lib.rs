@@ -1,0 +1,144 @@
+//! The fuzz targets' harnesses: one function per target, taking the fuzzer's bytes. The
+//! binaries in `src/bin/` wrap them in `afl::fuzz!`; the test below replays the corpus
+//! through them with plain `cargo test --lib`.
+
+use std::io::Cursor;
+use std::sync::OnceLock;
+
+use boot::{load_kernel, BootProtocol, ReadSeek};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+/// The migration crate's harness (seeds and checks), shared with its property tests.
+#[path = "../../crates/migration/tests/support/harness.rs"]
+pub mod migration_harness;
+
+/// The devices crate's state harness, shared with its property tests.
+#[path = "../../crates/devices/tests/support/state_harness.rs"]
+pub mod device_state_harness;
+
+/// Guest RAM of the boot target.
+pub const BOOT_MEM: u64 = 32 << 20;
+/// Largest single allocation any target may make (the fuzzer's inputs stay below 1 MiB;
+/// a migration frame may be buffered whole, 8 MiB).
+pub const ALLOC_CAP: usize = 12 << 20;
+
+fn boot_mem() -> &'static GuestMemoryMmap {
+    static MEM: OnceLock<GuestMemoryMmap> = OnceLock::new();
+    MEM.get_or_init(|| {
+        let ranges: Vec<(GuestAddress, usize)> = boot::ram_regions(BOOT_MEM)
+            .into_iter()
+            .map(|(a, s)| (a, s as usize))
+            .collect();
+        GuestMemoryMmap::from_ranges(&ranges).expect("mapping the boot target's RAM")
+    })
+}
+
+/// Loads `data` as a kernel (with a small initrd when byte 0 is odd) into 32 MiB of RAM;
+/// an accepted kernel must lie in RAM above 1 MiB with its entry inside it.
+pub fn boot_loader(data: &[u8]) {
+    let mem = boot_mem();
+    let mut kernel = Cursor::new(data);
+    let mut initrd = Cursor::new(vec![0x5au8; 0x1234]);
+    let with_initrd = data.first().is_some_and(|b| b & 1 == 1);
+    let initrd = with_initrd.then_some(&mut initrd as &mut dyn ReadSeek);
+    let Ok(be) = load_kernel(mem, &mut kernel, "console=ttyS0", initrd, BOOT_MEM) else {
+        return;
+    };
+    assert!(be.kernel_start >= 1 << 20 && be.kernel_start < be.kernel_end);
+    assert!(be.kernel_end <= BOOT_MEM, "{be:x?}");
+    assert!(be.entry_point >= be.kernel_start && be.entry_point < be.kernel_end);
+    if let Some((addr, size)) = be.initrd {
+        assert!(with_initrd && addr >= be.kernel_end && addr + size <= BOOT_MEM);
+    }
+    if be.protocol == BootProtocol::Linux {
+        assert_eq!(be.esi, 0x7000);
+    }
+}
+
+/// A migration stream, a frame sequence or a reply channel (byte 0 picks, see
+/// [`migration_harness::fuzz_one`]).
+pub fn migration_stream(data: &[u8]) {
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
+    // Mode 2 is the snapshot file, its own target.
+    let mode = if mode & 3 == 2 { mode & !3 } else { mode };
+    let mut input = vec![mode];
+    input.extend_from_slice(rest);
+    migration_harness::fuzz_one(&input);
+}
+
+/// A snapshot file (version 2): byte 0 bit 7 fixes the CRCs first, the rest is the file.
+pub fn snapshot_file(data: &[u8]) {
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
+    let mut input = vec![(mode & 0x80) | 2];
+    input.extend_from_slice(rest);
+    migration_harness::fuzz_one(&input);
+}
+
+/// A device state (JSON) restored into a fresh device, then guest port accesses: byte 0 picks
+/// the device, byte 1 the number of 4-byte accesses that follow, the rest is the JSON (see
+/// [`device_state_harness::fuzz_one`]).
+pub fn device_state(data: &[u8]) {
+    device_state_harness::fuzz_one(data);
+}
+
+/// One control API request line; an accepted one names a known operation.
+pub fn api_request(data: &[u8]) {
+    let Ok(request) = vmm::api::parse_request(data) else {
+        return;
+    };
+    let value: serde_json::Value = serde_json::from_slice(data).expect("accepted, so JSON");
+    let op = value["op"].as_str().expect("accepted, so it has an op");
+    let expected = match request {
+        vmm::api::Request::Status => "status",
+        vmm::api::Request::Pause => "pause",
+        vmm::api::Request::Resume => "resume",
+        vmm::api::Request::Shutdown => "shutdown",
+        vmm::api::Request::Snapshot { .. } => "snapshot",
+        vmm::api::Request::Migrate(_) => "migrate",
+    };
+    assert_eq!(op, expected);
+}
+
+/// A target's harness.
+pub type Harness = fn(&[u8]);
+
+/// Every target by name: (corpus directory, harness).
+pub const TARGETS: [(&str, Harness); 5] = [
+    ("boot_loader", boot_loader),
+    ("migration_stream", migration_stream),
+    ("snapshot_file", snapshot_file),
+    ("device_state", device_state),
+    ("api_request", api_request),
+];
+
+/// `cargo test --lib` here replays every input of `corpus/<target>/` and of
+/// `crashes/<target>/` (inputs that once failed, kept as regression cases) through its
+/// target's harness, without AFL++ (the binaries link only under `cargo afl`).
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    #[test]
+    fn corpus_replays_cleanly() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut total = 0;
+        for (name, harness) in super::TARGETS {
+            for dir in ["corpus", "crashes"] {
+                let Ok(entries) = std::fs::read_dir(root.join(dir).join(name)) else {
+                    continue;
+                };
+                for entry in entries {
+                    let path = entry.unwrap().path();
+                    harness(&std::fs::read(&path).unwrap());
+                    total += 1;
+                }
+            }
+        }
+        assert!(total > 0, "no corpus under {}", root.display());
+        println!("replayed {total} inputs");
+    }
+}
