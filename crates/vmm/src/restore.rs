@@ -300,6 +300,19 @@ pub fn load(
         "format": 2, "pages_in_file": image.data_page_count(),
         "verified_first": options.verify_first, "open_ms": open_ms,
     });
+    load_lazily(path, image, memory, options, exit, figures, t0)
+}
+
+/// The lazy restore: verify on fault, or (no userfaultfd) check everything, then map.
+fn load_lazily(
+    path: &Path,
+    image: SnapshotImage,
+    memory: &GuestMemory,
+    options: RestoreOptions,
+    exit: &Arc<ExitRequest>,
+    figures: Value,
+    t0: Instant,
+) -> Result<LoadedMemory> {
     #[cfg(target_os = "linux")]
     let image = match serve_on_fault(path, image, memory, exit, !options.no_prefetch)? {
         OnFault::Serving(state, lazy) => {
@@ -318,6 +331,10 @@ pub fn load(
             );
             image
         }
+    };
+    let bad = |e: migration::Error| Error::File {
+        path: path.to_path_buf(),
+        reason: format!("bad snapshot: {e}"),
     };
     if !options.verify_first {
         image.verify(&AtomicBool::new(false)).map_err(bad)?;
