@@ -654,13 +654,17 @@ mod tests {
             .lazy
             .unwrap();
         assert_eq!(read_on_thread(&dst, 0, Duration::from_secs(10)), Some(1));
+        assert_eq!(
+            read_on_thread(&dst, 0x5000, Duration::from_secs(10)),
+            Some(2)
+        );
         File::options()
             .write(true)
             .open(&path)
             .unwrap()
             .set_len(image0)
             .unwrap();
-        // Page 0x5000 came in with page 0 (the same 64 KiB block); 15 MiB did not.
+        // Pages in already stay; 15 MiB is not in, and past the end of the file now.
         assert_eq!(
             read_on_thread(&dst, 0x5000, Duration::from_secs(10)),
             Some(2)
