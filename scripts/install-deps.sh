@@ -8,14 +8,14 @@ need_apt=()
 command -v gcc >/dev/null || need_apt+=(gcc)
 command -v ld >/dev/null || need_apt+=(binutils)
 command -v make >/dev/null || need_apt+=(make)
-# Debian's SeaBIOS: the default firmware of `ferrovm run --disk` and tests/firmware.rs.
-[ -f /usr/share/seabios/bios-256k.bin ] || need_apt+=(seabios)
 # The userfaultfd crate generates its kernel bindings with bindgen at build time: libclang
 # and the kernel's user-space headers.
 ldconfig -p 2>/dev/null | grep 'libclang[-.0-9]*\.so' >/dev/null || need_apt+=(libclang-dev)
 [ -e /usr/include/linux/userfaultfd.h ] || need_apt+=(linux-libc-dev)
 # scripts/seccomp-profile.sh traces the VMM's threads with it.
 command -v strace >/dev/null || need_apt+=(strace)
+# Debian's SeaBIOS: the default firmware of `ferrovm run --disk` and tests/firmware.rs.
+[ -f /usr/share/seabios/bios-256k.bin ] || need_apt+=(seabios)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "installing Debian packages: ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive

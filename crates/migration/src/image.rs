@@ -1,6 +1,7 @@
 //! Snapshot files (format version 2): guest memory as page-aligned, sparse images of the RAM
-//! regions, which a restore can map straight over guest RAM (`MAP_PRIVATE`) instead of
-//! reading it.
+//! regions, which a restore can serve page by page as the guest touches them
+//! ([`SnapshotImage::read_verified`]), or map over guest RAM (`MAP_PRIVATE`), instead of
+//! reading it all first.
 //!
 //! ```text
 //! byte 0  header (version 2) | Config | Images | DataPages* | State+ | End    framed, CRCs
@@ -11,9 +12,9 @@
 //!
 //! Pages without data are holes in the images: the file holds only the touched, non-zero
 //! pages. The `DataPages` frames list every page that holds data with its CRC-32, so the page
-//! data can be checked eagerly ([`SnapshotImage::verify`], [`SnapshotImage::load`]) while a
-//! lazy restore ([`SnapshotImage::map_into`]) reads nothing but the frames. The byte layout is
-//! in `docs/migration.md`.
+//! data can be checked eagerly ([`SnapshotImage::verify`], [`SnapshotImage::load`]) or page
+//! by page as it is needed ([`SnapshotImage::read_verified`]), while opening the file reads
+//! nothing but the frames. The byte layout is in `docs/migration.md`.
 
 use std::fs::File;
 use std::io::{self, BufReader, Read, Seek, SeekFrom};
@@ -66,8 +67,8 @@ fn align_up(v: u64, a: u64) -> Option<u64> {
 /// rest are holes). `file` must be a regular file open for writing; it is truncated first.
 /// Page data goes from the guest mapping to the file with `writev`, without copies.
 ///
-/// After a lazy restore, pass the RAM as [`crate::FileBackedRam`] so that pages still mapped
-/// from the old snapshot file and not touched since are written too.
+/// After a lazy restore, pass the RAM as [`crate::FileBackedRam`] so that pages still to come
+/// from the old snapshot file (not present yet) are written too.
 pub fn snapshot_file<G>(
     ram: &G,
     config: &MigrationConfig,

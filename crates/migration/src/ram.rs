@@ -39,9 +39,10 @@ pub unsafe trait GuestRam {
     fn regions(&self) -> Vec<RamRegion>;
 
     /// Pages that hold data although this process may never have touched them: pages of a
-    /// region mapped from a snapshot file ([`crate::SnapshotImage::map_into`], a lazy
-    /// restore), which are not present in the page tables until the guest first touches them
-    /// and yet hold the file's data. Touched-page discovery (round 0 of a migration, a
+    /// lazily restored region still to be brought in from a snapshot file (served on fault
+    /// from [`crate::SnapshotImage::read_verified`], or mapped by
+    /// [`crate::SnapshotImage::map_into`]), which are not present in the page tables until
+    /// first touched and yet hold the file's data. Touched-page discovery (round 0 of a migration, a
     /// snapshot) adds them to the resident pages. One bitmap per region, in `regions()`
     /// order; `None` (the default) when guest RAM is anonymous memory only.
     fn file_data_pages(&self) -> Option<Bitmap> {

@@ -116,13 +116,13 @@ pub struct VmConfig {
     /// `--restore-eager`: copy a snapshot's pages into guest RAM before the guest runs,
     /// instead of mapping the file.
     pub restore_eager: bool,
+    /// `--seccomp`: what the threads' system call filters do with a forbidden call.
+    pub seccomp: sandbox::Mode,
     /// `--firmware`: the ROM of a firmware boot, or of the machine an incoming migration
     /// brings (its layout has the ROM and the shadow RAM).
     pub firmware: Option<PathBuf>,
     /// `--boot`: the disks the firmware tries, in order, as indices into `disks`.
     pub boot_order: Vec<usize>,
-    /// `--seccomp`: what the threads' system call filters do with a forbidden call.
-    pub seccomp: sandbox::Mode,
 }
 
 /// The firmware `ferrovm run` uses when a disk is given without a kernel: Debian's SeaBIOS

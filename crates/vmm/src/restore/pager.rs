@@ -44,6 +44,8 @@ const MAX_FAULT_PAGES: u64 = 256;
 const PREFETCH_CHUNK: u64 = 256;
 /// Prefetch workers at most.
 const MAX_PREFETCH_WORKERS: usize = 2;
+/// The prefetch workers' nice value: below the vCPUs and the fault thread.
+const PREFETCH_NICE: libc::c_int = 10;
 const PAGE: usize = PAGE_SIZE as usize;
 /// A zero page for write faults on pages without data (a copy saves the guest the second,
 /// copy-on-write fault a mapped zero page would take).
@@ -509,6 +511,7 @@ struct Prefetch {
 /// `workers`-th chunk not installed yet, in file order, the workers side by side; the last
 /// one to finish reports that the file is no longer needed.
 fn prefetch_all(pager: Arc<Pager>, status: &Status, p: &Prefetch, index: usize) {
+    lower_priority();
     let mut buf = vec![0u8; PREFETCH_CHUNK as usize * PAGE];
     let chunks = pager.image.data_runs().flat_map(|(region, first, count)| {
         (first..first + count)
@@ -535,6 +538,20 @@ fn prefetch_all(pager: Arc<Pager>, status: &Status, p: &Prefetch, index: usize) 
     }
     if p.finished.fetch_add(1, Ordering::AcqRel) + 1 == p.workers as u64 {
         report_loaded(&pager, status, p.started);
+    }
+}
+
+/// Gives the calling thread a lower CPU priority (nice 10): the vCPUs and the fault thread,
+/// which a waiting guest needs at once, come first; the prefetch takes what is left.
+fn lower_priority() {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: setpriority on this thread's own id changes only its scheduling priority.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, PREFETCH_NICE) } != 0 {
+        log::debug!(
+            "cannot lower the prefetcher's priority: {}",
+            io::Error::last_os_error()
+        );
     }
 }
 
