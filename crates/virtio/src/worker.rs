@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use devices::exit::Waker;
 use devices::LifecycleError;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
-use virtio_queue::{DescriptorChain, QueueState, QueueT};
+use virtio_queue::{DescriptorChain, QueueOwnedT, QueueState, QueueT};
 use vm_memory::GuestMemory;
 
 use crate::{ActivateError, ActiveQueue, Interrupt};
@@ -497,15 +497,27 @@ where
             if !self.handler.ready(index) {
                 break;
             }
-            let Some(chain) = self.queues[slot].queue.pop_descriptor_chain(mem) else {
+            let chain = match self.queues[slot].queue.iter(mem) {
+                Ok(mut available) => available.next(),
+                Err(virtio_queue::Error::InvalidAvailRingIndex) => {
+                    // More chains than the queue holds: the driver lost track of the ring.
+                    self.halt(slot, "the available index is more than a queue ahead");
+                    break;
+                }
+                Err(e) => {
+                    // A ring virtio-queue will not serve (at guest address 0); the guest's doing,
+                    // so not worth more than a debug line on every notification.
+                    log::debug!("virtio queue {index}: cannot read the available ring: {e}");
+                    None
+                }
+            };
+            let Some(chain) = chain else {
                 break;
             };
             let head = chain.head_index();
             if head >= self.queues[slot].queue.size() {
                 // No used entry can name this chain: the ring is beyond repair.
-                log::error!("virtio queue {index}: available head {head} is beyond the queue");
-                self.halted[slot] = true;
-                self.interrupt.needs_reset();
+                self.halt(slot, &format!("available head {head} is beyond the queue"));
                 break;
             }
             let len = self.handler.handle(mem, index, chain);
@@ -519,6 +531,14 @@ where
             }
         }
         served
+    }
+
+    /// The driver broke queue `slot` beyond repair: stop serving it until the device is
+    /// reset, and tell the driver (DEVICE_NEEDS_RESET).
+    fn halt(&mut self, slot: usize, why: &str) {
+        log::error!("virtio queue {}: {why}; halted", self.queues[slot].index);
+        self.halted[slot] = true;
+        self.interrupt.needs_reset();
     }
 
     fn signal(&mut self, slot: usize, mem: &M, pending: &mut u32) {
@@ -720,8 +740,8 @@ mod tests {
     }
 
     #[test]
-    fn a_bogus_available_index_does_not_make_it_spin() {
-        let driver = TestDriver::new(&[16]);
+    fn a_bogus_available_index_halts_the_queue_without_spinning() {
+        let mut driver = TestDriver::new(&[16]);
         let probe = Probe::new();
         let worker = spawn(&driver, &probe, false);
         driver.set_avail_idx(0, 1000);
@@ -730,6 +750,15 @@ mod tests {
         let calls = probe.ready_calls.load(Ordering::SeqCst);
         assert!(calls < 10, "worker spun: {calls} attempts");
         assert_eq!(driver.used_idx(0), 0);
+        assert!(
+            driver.interrupt.broken.load(Ordering::SeqCst),
+            "no DEVICE_NEEDS_RESET"
+        );
+        // Halted: an honest index afterwards is not served until the device is reset.
+        driver.set_avail_idx(0, 0);
+        one_buffer_chain(&mut driver, 0);
+        driver.kick(0);
+        driver.assert_no_used(0, Duration::from_millis(30));
         // It still obeys control requests.
         worker.pause().unwrap();
         assert_eq!(worker.stop().len(), 1);

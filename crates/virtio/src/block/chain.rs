@@ -141,12 +141,16 @@ pub struct ChainLayout {
     pub misordered: bool,
     /// More than [`MAX_CHAIN_DESCRIPTORS`] descriptors: not even the status byte is known.
     pub too_long: bool,
+    /// A buffer runs past the end of the address space, so its last byte (perhaps the status
+    /// byte) would wrap to a low address that is not part of it.
+    pub wraps: bool,
 }
 
 impl ChainLayout {
     /// Walks the chain. virtio-queue bounds the walk (a loop ends after a queue's or an
     /// indirect table's worth of descriptors) and ends it at a bad index or table; zero-length
-    /// descriptors carry no bytes and are skipped.
+    /// descriptors carry no bytes and are skipped. The walk stops at a buffer that wraps
+    /// around the address space, so every segment of the spans ends at or below `u64::MAX`.
     pub fn parse<T>(chain: DescriptorChain<T>) -> ChainLayout
     where
         T: Deref,
@@ -159,6 +163,10 @@ impl ChainLayout {
                 break;
             }
             let len = u64::from(desc.len());
+            if desc.addr().checked_add(len).is_none() {
+                layout.wraps = true;
+                break;
+            }
             if desc.is_write_only() {
                 layout.writable.push(desc.addr(), len);
             } else {

@@ -308,7 +308,7 @@ impl<M: GuestMemory> QueueHandler<M> for BlockHandler {
         let layout = ChainLayout::parse(chain);
         // The status byte is the last device-writable byte; without one, nothing can be
         // reported and the chain is only given back.
-        let status_at = (!layout.too_long)
+        let status_at = (!layout.too_long && !layout.wraps)
             .then(|| layout.writable.split_back(1))
             .flatten()
             .and_then(|(data_in, status)| Some((data_in, status.start()?)))

@@ -659,6 +659,22 @@ fn looping_and_dangling_chains_end() {
 }
 
 #[test]
+fn a_buffer_wrapping_the_address_space_gets_no_status() {
+    let mut rig = Rig::new("blk-wrap", 1 << 20, |_| {});
+    let header = rig.header(VIRTIO_BLK_T_IN, 0);
+    // Its last byte, where the status would go, is u64::MAX + 0x800: guest address 0x7ff, in
+    // the descriptor table. The chain is given back untouched.
+    let table = rig.driver.read(GuestAddress(0), 0x1000);
+    let used = rig.submit_raw(0, &[(header.0, 16, 0), (u64::MAX - 0xfff, 0x1800, W)]);
+    assert_eq!(used.1, 0);
+    let mut after = rig.driver.read(GuestAddress(0), 0x1000);
+    // Only the chain's own two descriptors changed (the driver wrote them).
+    after[..32].copy_from_slice(&table[..32]);
+    assert_eq!(after, table, "the device wrote into the descriptor table");
+    rig.assert_usable();
+}
+
+#[test]
 fn a_head_beyond_the_queue_needs_reset() {
     let mut rig = Rig::new("blk-bad-head", 1 << 20, |_| {});
     // No used entry could name this chain: the device asks for a reset and stops the queue.
