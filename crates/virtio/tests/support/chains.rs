@@ -349,28 +349,22 @@ impl Rig {
         )
     }
 
-    fn read_u32(&self, addr: u64) -> u32 {
-        u32::from_le(
-            self.mem
-                .read_obj(GuestAddress(addr))
-                .expect("harness read in RAM"),
-        )
-    }
-
     fn kick(&self) {
         self.notifiers[usize::from(self.target.queue())]
             .wake()
             .expect("kick");
     }
 
-    fn used_idx(&self) -> u16 {
-        self.read_u16(rings(self.target.queue()).2 + 2)
+    fn ring(&self) -> SplitRing {
+        SplitRing::at(self.target.queue(), self.size)
     }
 
-    /// Used entry number `n` (position in the ring, not yet reduced): (id, len).
+    fn used_idx(&self) -> u16 {
+        self.ring().used_idx(&self.mem)
+    }
+
     fn used_entry(&self, n: u16) -> (u32, u32) {
-        let at = rings(self.target.queue()).2 + 4 + 8 * u64::from(n % self.size);
-        (self.read_u32(at), self.read_u32(at + 4))
+        self.ring().used_entry(&self.mem, n)
     }
 
     fn broken(&self) -> bool {
@@ -590,37 +584,109 @@ pub fn run(s: &Scenario) {
     drop(rig.device.reset());
 }
 
-/// Publishes `descs` as an indirect table at `table` behind descriptor `slot`, notifies, and
-/// returns the used entry's length once the device answered.
-fn request(rig: &Rig, slot: u16, table: u64, descs: &[Desc]) -> u32 {
-    for (i, desc) in descs.iter().enumerate() {
-        rig.write(table + 16 * i as u64, &desc.to_bytes());
+/// A split queue's rings, as the driver sees them.
+#[derive(Clone, Copy, Debug)]
+pub struct SplitRing {
+    pub desc: u64,
+    pub avail: u64,
+    pub used: u64,
+    pub size: u16,
+}
+
+impl SplitRing {
+    /// Queue `q`'s rings in the harness layout ([`rings`]).
+    pub fn at(q: u16, size: u16) -> SplitRing {
+        let (desc, avail, used) = rings(q);
+        SplitRing {
+            desc,
+            avail,
+            used,
+            size,
+        }
     }
-    let (desc_table, avail, _) = rings(rig.target.queue());
-    let head = slot % rig.size;
-    let indirect = Desc {
-        addr: table,
-        len: 16 * descs.len() as u32,
-        flags: INDIRECT,
-        next: 0,
-    };
-    rig.write(desc_table + 16 * u64::from(head), &indirect.to_bytes());
-    let idx = rig.read_u16(avail + 2);
-    rig.write(
-        avail + 4 + 2 * u64::from(idx % rig.size),
-        &head.to_le_bytes(),
-    );
-    rig.write(avail + 2, &idx.wrapping_add(1).to_le_bytes());
-    rig.kick();
-    let target = idx.wrapping_add(1);
-    wait_until("a good request after reset", || rig.used_idx() == target);
-    let (id, len) = rig.used_entry(idx);
-    assert_eq!(
-        id,
-        u32::from(head),
-        "good request: used entry names another head"
-    );
-    len
+
+    pub fn used_idx(&self, mem: &Mem) -> u16 {
+        read_u16(mem, self.used + 2)
+    }
+
+    /// Used entry number `n` (a position in the ring, not yet reduced): (id, len).
+    pub fn used_entry(&self, mem: &Mem, n: u16) -> (u32, u32) {
+        let at = self.used + 4 + 8 * u64::from(n % self.size);
+        (read_u32(mem, at), read_u32(mem, at + 4))
+    }
+
+    /// Writes `descs` as an indirect table at `table` behind descriptor `slot` and makes it
+    /// available; returns (head, the available index it took).
+    pub fn publish_indirect(&self, mem: &Mem, slot: u16, table: u64, descs: &[Desc]) -> (u16, u16) {
+        for (i, desc) in descs.iter().enumerate() {
+            write(mem, table + 16 * i as u64, &desc.to_bytes());
+        }
+        let head = slot % self.size;
+        let len = 16 * descs.len() as u32;
+        let indirect = Desc {
+            addr: table,
+            len,
+            flags: INDIRECT,
+            next: 0,
+        };
+        write(mem, self.desc + 16 * u64::from(head), &indirect.to_bytes());
+        let idx = read_u16(mem, self.avail + 2);
+        write(
+            mem,
+            self.avail + 4 + 2 * u64::from(idx % self.size),
+            &head.to_le_bytes(),
+        );
+        write(mem, self.avail + 2, &idx.wrapping_add(1).to_le_bytes());
+        (head, idx)
+    }
+
+    /// Publishes a request (see [`Self::publish_indirect`]), notifies with `kick`, and
+    /// returns the used entry's length once the device answered.
+    pub fn request(
+        &self,
+        mem: &Mem,
+        slot: u16,
+        table: u64,
+        descs: &[Desc],
+        kick: &dyn Fn(),
+    ) -> u32 {
+        let (head, idx) = self.publish_indirect(mem, slot, table, descs);
+        kick();
+        let target = idx.wrapping_add(1);
+        wait_until("a good request", || self.used_idx(mem) == target);
+        let (id, len) = self.used_entry(mem, idx);
+        assert_eq!(
+            id,
+            u32::from(head),
+            "good request: used entry names another head"
+        );
+        len
+    }
+}
+
+fn write(mem: &Mem, addr: u64, bytes: &[u8]) {
+    mem.write_slice(bytes, GuestAddress(addr))
+        .expect("harness write in RAM");
+}
+
+fn read_u16(mem: &Mem, addr: u64) -> u16 {
+    u16::from_le(
+        mem.read_obj(GuestAddress(addr))
+            .expect("harness read in RAM"),
+    )
+}
+
+fn read_u32(mem: &Mem, addr: u64) -> u32 {
+    u32::from_le(
+        mem.read_obj(GuestAddress(addr))
+            .expect("harness read in RAM"),
+    )
+}
+
+/// [`SplitRing::request`] on the rig's queue.
+fn request(rig: &Rig, slot: u16, table: u64, descs: &[Desc]) -> u32 {
+    rig.ring()
+        .request(&rig.mem, slot, table, descs, &|| rig.kick())
 }
 
 /// A buffer descriptor (linked to the next one of its table when `next` is set).
@@ -642,7 +708,7 @@ fn good_request(rig: &Rig) {
     let data = DATA_START + 0x1000;
     let table = DATA_START;
     match rig.target {
-        Target::Block => good_block_requests(rig, table, data),
+        Target::Block => good_block_requests(&rig.mem, &rig.ring(), table, data, &|| rig.kick()),
         Target::Rng => {
             let len = request(rig, 0, table, &[buffer(data, 256, true, None)]);
             assert_eq!(len, 256, "virtio-rng after reset");
@@ -685,8 +751,10 @@ pub fn block_header(request_type: u32, sector: u64) -> Vec<u8> {
     header
 }
 
-/// A write of one sector, then its read back, on a block device after its reset.
-fn good_block_requests(rig: &Rig, table: u64, data: u64) {
+/// A write of one sector, then its read back, through `ring` (notified with `kick`): both
+/// must succeed and the sector must read back as written. The chains use the indirect table
+/// at `table` (48 bytes) and buffers from `data - 0x100` to `data + 0x200`.
+pub fn good_block_requests(mem: &Mem, ring: &SplitRing, table: u64, data: u64, kick: &dyn Fn()) {
     let (header, status) = (data - 0x100, data - 0x10);
     let sector: Vec<u8> = (0..512u32).map(|i| (i * 7 + 1) as u8).collect();
     let chain = |write: bool| {
@@ -696,33 +764,28 @@ fn good_block_requests(rig: &Rig, table: u64, data: u64) {
             buffer(status, 1, true, None),
         ]
     };
-    rig.write(header, &block_header(VIRTIO_BLK_T_OUT, 5));
-    rig.write(data, &sector);
-    rig.write(status, &[0xff]);
+    let status_byte = || mem.read_obj::<u8>(GuestAddress(status)).unwrap();
+    write(mem, header, &block_header(VIRTIO_BLK_T_OUT, 5));
+    write(mem, data, &sector);
+    write(mem, status, &[0xff]);
     assert_eq!(
-        request(rig, 0, table, &chain(true)),
+        ring.request(mem, 0, table, &chain(true), kick),
         1,
         "write: used length"
     );
+    assert_eq!(status_byte(), VIRTIO_BLK_S_OK as u8, "write: status");
+    write(mem, header, &block_header(VIRTIO_BLK_T_IN, 5));
+    write(mem, data, &[0; 512]);
+    write(mem, status, &[0xff]);
     assert_eq!(
-        rig.mem.read_obj::<u8>(GuestAddress(status)).unwrap(),
-        VIRTIO_BLK_S_OK as u8
-    );
-    rig.write(header, &block_header(VIRTIO_BLK_T_IN, 5));
-    rig.write(data, &[0; 512]);
-    rig.write(status, &[0xff]);
-    assert_eq!(
-        request(rig, 1, table, &chain(false)),
+        ring.request(mem, 1, table, &chain(false), kick),
         513,
         "read: used length"
     );
-    assert_eq!(
-        rig.mem.read_obj::<u8>(GuestAddress(status)).unwrap(),
-        VIRTIO_BLK_S_OK as u8
-    );
+    assert_eq!(status_byte(), VIRTIO_BLK_S_OK as u8, "read: status");
     let mut back = vec![0u8; 512];
-    rig.mem.read_slice(&mut back, GuestAddress(data)).unwrap();
-    assert_eq!(back, sector, "the sector read back after reset");
+    mem.read_slice(&mut back, GuestAddress(data)).unwrap();
+    assert_eq!(back, sector, "the sector read back");
 }
 
 /// The block request types, for builders.

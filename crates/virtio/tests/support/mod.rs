@@ -4,7 +4,7 @@
 //!
 //! - [`chains`]: hostile descriptor tables and available rings published to a running
 //!   virtio-blk, -rng or -console device; checks what the device writes back;
-//! - `pci_access`: sequences of configuration-space and BAR accesses on the PCI transport
+//! - [`pci_access`]: sequences of configuration-space and BAR accesses on the PCI transport
 //!   of a real virtio-blk device; checks the transport's invariants after each.
 //!
 //! This file holds what both use: the guest RAM layout, RAM snapshots, a recording
@@ -14,6 +14,8 @@
 
 pub mod chain_input;
 pub mod chains;
+pub mod pci_access;
+pub mod pci_input;
 
 use std::fs::File;
 use std::io::Write;
