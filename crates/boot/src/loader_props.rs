@@ -16,7 +16,7 @@ use crate::layout::{
     low_ram_end, range_in_ram, HIMEM_START, MMIO_HOLE_START, PVH_START_INFO_ADDR, ZERO_PAGE_ADDR,
 };
 use crate::loader::{load_kernel, BootEntry, BootProtocol, ReadSeek};
-use crate::multiboot::MULTIBOOT_BOOTLOADER_MAGIC;
+use crate::multiboot::{LOW_KERNEL_MIN, MULTIBOOT_BOOTLOADER_MAGIC};
 use crate::testutil::{guest_mem, mb_header, seed_images, MIB};
 
 const MEM: u64 = 32 * MIB;
@@ -61,7 +61,8 @@ fn read(mem: &GuestMemoryMmap, addr: u64, len: usize) -> Vec<u8> {
 /// What must hold for any image the loader accepts.
 fn check_loaded(mem: &GuestMemoryMmap, image: &[u8], be: &BootEntry, with_initrd: bool) {
     let low_end = low_ram_end(MEM);
-    assert!(be.kernel_start >= HIMEM_START, "{be:x?}");
+    let lowest = lowest_load_address(be.protocol);
+    assert!(be.kernel_start >= lowest, "{be:x?}");
     assert!(
         be.kernel_start < be.kernel_end && be.kernel_end <= low_end,
         "{be:x?}"
@@ -93,7 +94,7 @@ fn check_loaded(mem: &GuestMemoryMmap, image: &[u8], be: &BootEntry, with_initrd
         other => panic!("initrd {other:x?} for with_initrd = {with_initrd}"),
     }
     if elf::is_elf(image) {
-        check_elf_segments(mem, image);
+        check_elf_segments(mem, image, lowest);
     } else if be.protocol == BootProtocol::Linux {
         let setup_sects = match image[0x1f1] {
             0 => 4,
@@ -104,15 +105,24 @@ fn check_loaded(mem: &GuestMemoryMmap, image: &[u8], be: &BootEntry, with_initrd
     }
 }
 
-/// Every PT_LOAD segment lies in RAM above 1 MiB and, when no segment overlaps another, holds
-/// its file bytes followed by zeros.
-fn check_elf_segments(mem: &GuestMemoryMmap, image: &[u8]) {
+/// Multiboot kernels may also load in conventional memory, above the IVT and BIOS data area;
+/// the others load from 1 MiB on.
+fn lowest_load_address(protocol: BootProtocol) -> u64 {
+    match protocol {
+        BootProtocol::Multiboot => LOW_KERNEL_MIN,
+        _ => HIMEM_START,
+    }
+}
+
+/// Every PT_LOAD segment lies in RAM at or above `lowest` and, when no segment overlaps
+/// another, holds its file bytes followed by zeros.
+fn check_elf_segments(mem: &GuestMemoryMmap, image: &[u8], lowest: u64) {
     let len = image.len() as u64;
     let parsed = elf::parse(&mut Cursor::new(image), len).expect("accepted, so it parses");
     let loads: Vec<_> = parsed.loads().filter(|p| p.memsz > 0).collect();
     for p in &loads {
         assert_eq!(p.p_type, PT_LOAD);
-        assert!(p.paddr >= HIMEM_START, "{p:x?}");
+        assert!(p.paddr >= lowest, "{p:x?}");
         assert!(range_in_ram(MEM, p.paddr, p.paddr + p.memsz), "{p:x?}");
     }
     let overlap = loads.iter().enumerate().any(|(i, a)| {
