@@ -228,3 +228,106 @@ proptest! {
         check(decode(&data));
     }
 }
+
+/// The seeds of the `virtio_pci_access` fuzz target: bring-ups with and without MSI-X, a
+/// reset in the middle, the PCI-configuration-access window, MSI-X table and PBA reads, the
+/// whole configuration space, BAR moves.
+fn fuzz_seeds() -> Vec<(&'static str, Vec<Op>)> {
+    let event_idx = 1 << 29;
+    let mut reset_midway = bring_up(0, 16, false, 1);
+    reset_midway.extend(bring_up(event_idx, 256, true, 2));
+    // The window at 0x90: BAR 0, offset 0x14 (device_status), 1 byte; then data.
+    let window = vec![
+        Op::ConfigWrite {
+            offset: 0x94,
+            sub: 0,
+            data: vec![0],
+        },
+        Op::ConfigWrite {
+            offset: 0x98,
+            sub: 0,
+            data: 0x14u32.to_le_bytes().to_vec(),
+        },
+        Op::ConfigWrite {
+            offset: 0x9c,
+            sub: 0,
+            data: 1u32.to_le_bytes().to_vec(),
+        },
+        Op::ConfigWrite {
+            offset: 0xa0,
+            sub: 0,
+            data: vec![ACKNOWLEDGE],
+        },
+        Op::ConfigRead { offset: 0xa0 },
+    ];
+    let table = layout().table_offset;
+    let mut msix = bring_up(0, 8, true, 1);
+    msix.extend([
+        Op::BarRead {
+            bar: 0,
+            offset: table,
+            len: 16,
+        },
+        Op::BarRead {
+            bar: 0,
+            offset: layout().pba_offset,
+            len: 8,
+        },
+        Op::Msix {
+            enable: true,
+            mask: true,
+        },
+        Op::Request { sector: 9 },
+        Op::Msix {
+            enable: true,
+            mask: false,
+        },
+    ]);
+    let config_space = (0..64)
+        .map(|dword| Op::ConfigRead { offset: dword * 4 })
+        .collect();
+    let mut moves = vec![
+        Op::BarMoved {
+            base: Some(0xc000_0000),
+        },
+        Op::BarMoved { base: None },
+    ];
+    moves.extend(bring_up(0, 2, false, 1));
+    moves.push(Op::BarMoved {
+        base: Some(0xd000_0000),
+    });
+    vec![
+        ("bring-up", bring_up(0, 16, false, 2)),
+        ("bring-up-msix", bring_up(event_idx, 256, true, 3)),
+        ("reset-midway", reset_midway),
+        ("pci-cfg-window", window),
+        ("msix", msix),
+        ("config-space", config_space),
+        ("bar-moves", moves),
+    ]
+}
+
+/// Writes the seeds into `$FERROVM_FUZZ_CORPUS/virtio_pci_access/` (run by
+/// `make fuzz-seeds`).
+#[test]
+#[ignore = "writes the fuzz corpus seeds; run by make fuzz-seeds"]
+fn write_fuzz_seeds() {
+    let Some(dir) = std::env::var_os("FERROVM_FUZZ_CORPUS") else {
+        panic!("set FERROVM_FUZZ_CORPUS to the fuzz corpus directory");
+    };
+    let dir = std::path::Path::new(&dir).join("virtio_pci_access");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, ops) in fuzz_seeds() {
+        let bytes = encode(&ops);
+        assert_eq!(decode(&bytes), ops, "{name}");
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}
+
+/// The seeds hold, as the fuzz target runs them.
+#[test]
+fn fuzz_seeds_run() {
+    for (_, ops) in fuzz_seeds() {
+        check(ops);
+    }
+}
