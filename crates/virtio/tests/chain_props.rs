@@ -392,7 +392,7 @@ fn fuzz_seeds() -> Vec<(&'static str, Scenario)> {
     let mut b = Builder::new(Target::Block, 16, false);
     let heads = vec![
         b.block(read, 0, Some((512, true)), false).unwrap(),
-        block_with_data(&mut b, write, 1, vec![0xa5; 1024]),
+        b.block(write, 1, Some((1024, false)), false).unwrap(),
         b.block(flush, 0, None, false).unwrap(),
         b.block(get_id, 0, Some((20, true)), false).unwrap(),
     ];
@@ -420,11 +420,19 @@ fn fuzz_seeds() -> Vec<(&'static str, Scenario)> {
     b.publish(vec![head]);
     seeds.push(("one-entry-queue", b.scenario));
 
+    seeds.extend(hostile_seeds());
+    seeds
+}
+
+/// Seeds of broken drivers: a looping chain, a head beyond the queue with a chain behind it,
+/// a buffer that wraps around the address space, an available index far ahead.
+fn hostile_seeds() -> Vec<(&'static str, Scenario)> {
+    let [read, _, _, get_id, _, _] = BLOCK_REQUEST_TYPES;
     let mut b = Builder::new(Target::Block, 8, false);
     let head = b.block(read, 0, Some((512, true)), false).unwrap();
     b.scenario.table[2].flags |= NEXT; // status -> header: a loop
     b.publish(vec![head, 9, head]);
-    seeds.push(("loop-then-bad-head", b.scenario));
+    let looping = b.scenario;
 
     let mut b = Builder::new(Target::Block, 8, false);
     let header = b.alloc(16);
@@ -435,8 +443,10 @@ fn fuzz_seeds() -> Vec<(&'static str, Scenario)> {
     );
     b.publish(vec![head.unwrap()]);
     b.scenario.batches[0].avail_idx = Some(40);
-    seeds.push(("wrapping-buffer-bogus-index", b.scenario));
-    seeds
+    vec![
+        ("loop-then-bad-head", looping),
+        ("wrapping-buffer-bogus-index", b.scenario),
+    ]
 }
 
 /// Writes the seeds into `$FERROVM_FUZZ_CORPUS/virtio_blk_chains/` (run by

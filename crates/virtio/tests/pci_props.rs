@@ -229,43 +229,35 @@ proptest! {
     }
 }
 
-/// The seeds of the `virtio_pci_access` fuzz target: bring-ups with and without MSI-X, a
-/// reset in the middle, the PCI-configuration-access window, MSI-X table and PBA reads, the
-/// whole configuration space, BAR moves.
-fn fuzz_seeds() -> Vec<(&'static str, Vec<Op>)> {
-    let event_idx = 1 << 29;
-    let mut reset_midway = bring_up(0, 16, false, 1);
-    reset_midway.extend(bring_up(event_idx, 256, true, 2));
-    // The window at 0x90: BAR 0, offset 0x14 (device_status), 1 byte; then data.
-    let window = vec![
-        Op::ConfigWrite {
-            offset: 0x94,
-            sub: 0,
-            data: vec![0],
-        },
-        Op::ConfigWrite {
-            offset: 0x98,
-            sub: 0,
-            data: 0x14u32.to_le_bytes().to_vec(),
-        },
-        Op::ConfigWrite {
-            offset: 0x9c,
-            sub: 0,
-            data: 1u32.to_le_bytes().to_vec(),
-        },
+/// Sets the PCI-configuration-access window (capability at 0x90) to 1 byte at BAR0 offset
+/// 0x14 (device_status), then writes and reads it through the window.
+fn window_seed() -> Vec<Op> {
+    let dword = |offset: u16, value: u32| Op::ConfigWrite {
+        offset,
+        sub: 0,
+        data: value.to_le_bytes().to_vec(),
+    };
+    vec![
+        dword(0x94, 0),
+        dword(0x98, 0x14),
+        dword(0x9c, 1),
         Op::ConfigWrite {
             offset: 0xa0,
             sub: 0,
             data: vec![ACKNOWLEDGE],
         },
         Op::ConfigRead { offset: 0xa0 },
-    ];
-    let table = layout().table_offset;
-    let mut msix = bring_up(0, 8, true, 1);
-    msix.extend([
+    ]
+}
+
+/// A bring-up with MSI-X, then the table and PBA read, and a request while the function is
+/// masked (its message pending until unmasked).
+fn msix_seed() -> Vec<Op> {
+    let mut ops = bring_up(0, 8, true, 1);
+    ops.extend([
         Op::BarRead {
             bar: 0,
-            offset: table,
+            offset: layout().table_offset,
             len: 16,
         },
         Op::BarRead {
@@ -283,27 +275,42 @@ fn fuzz_seeds() -> Vec<(&'static str, Vec<Op>)> {
             mask: false,
         },
     ]);
-    let config_space = (0..64)
-        .map(|dword| Op::ConfigRead { offset: dword * 4 })
-        .collect();
-    let mut moves = vec![
+    ops
+}
+
+/// BAR0 placed, unplaced, and placed elsewhere around a bring-up.
+fn bar_moves_seed() -> Vec<Op> {
+    let mut ops = vec![
         Op::BarMoved {
             base: Some(0xc000_0000),
         },
         Op::BarMoved { base: None },
     ];
-    moves.extend(bring_up(0, 2, false, 1));
-    moves.push(Op::BarMoved {
+    ops.extend(bring_up(0, 2, false, 1));
+    ops.push(Op::BarMoved {
         base: Some(0xd000_0000),
     });
+    ops
+}
+
+/// The seeds of the `virtio_pci_access` fuzz target: bring-ups with and without MSI-X, a
+/// reset in the middle, the PCI-configuration-access window, MSI-X table and PBA reads, the
+/// whole configuration space, BAR moves.
+fn fuzz_seeds() -> Vec<(&'static str, Vec<Op>)> {
+    let event_idx = 1 << 29;
+    let mut reset_midway = bring_up(0, 16, false, 1);
+    reset_midway.extend(bring_up(event_idx, 256, true, 2));
+    let config_space = (0..64)
+        .map(|dword| Op::ConfigRead { offset: dword * 4 })
+        .collect();
     vec![
         ("bring-up", bring_up(0, 16, false, 2)),
         ("bring-up-msix", bring_up(event_idx, 256, true, 3)),
         ("reset-midway", reset_midway),
-        ("pci-cfg-window", window),
-        ("msix", msix),
+        ("pci-cfg-window", window_seed()),
+        ("msix", msix_seed()),
         ("config-space", config_space),
-        ("bar-moves", moves),
+        ("bar-moves", bar_moves_seed()),
     ]
 }
 
