@@ -97,3 +97,5 @@ fuzz-seeds:
 	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p migration --test props -- --ignored write_fuzz_seeds
 	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p devices --test state_props -- --ignored write_fuzz_seeds
 	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p vmm --test api_props -- --ignored write_fuzz_seeds
+	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p virtio --test chain_props -- --ignored write_fuzz_seeds
+	FERROVM_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus $(CARGO) test -p virtio --test pci_props -- --ignored write_fuzz_seeds

@@ -16,6 +16,11 @@ pub mod migration_harness;
 #[path = "../../crates/devices/tests/support/state_harness.rs"]
 pub mod device_state_harness;
 
+/// The virtio crate's harnesses (hostile descriptor chains on a running device, accesses to
+/// the PCI transport), shared with its property tests.
+#[path = "../../crates/virtio/tests/support/mod.rs"]
+pub mod virtio_harness;
+
 /// Guest RAM of the boot target.
 pub const BOOT_MEM: u64 = 32 << 20;
 /// Largest single allocation any target may make (the fuzzer's inputs stay below 1 MiB;
@@ -95,24 +100,45 @@ pub fn api_request(data: &[u8]) {
     let expected = match request {
         vmm::api::Request::Status => "status",
         vmm::api::Request::Pause => "pause",
-        vmm::api::Request::Resume => "resume",
+        vmm::api::Request::Resume { .. } => "resume",
         vmm::api::Request::Shutdown => "shutdown",
         vmm::api::Request::Snapshot { .. } => "snapshot",
         vmm::api::Request::Migrate(_) => "migrate",
+        vmm::api::Request::MigrateCancel => "migrate_cancel",
     };
     assert_eq!(op, expected);
+}
+
+/// Descriptor tables, indirect tables, RAM contents and batches of available-ring entries
+/// published to a running virtio-blk device on a temporary image (tmpfs when there is one),
+/// one notification a batch (see [`virtio_harness::chain_input`] for the byte form; its
+/// device field is ignored: always virtio-blk). The harness checks the used entries and
+/// every byte of guest RAM the device wrote, then that a reset device serves requests.
+pub fn virtio_blk_chains(data: &[u8]) {
+    let mut scenario = virtio_harness::chain_input::decode(data);
+    scenario.target = virtio_harness::chains::Target::Block;
+    virtio_harness::chains::run(&scenario);
+}
+
+/// Configuration-space and BAR accesses and driver steps on the PCI transport of a virtio-blk
+/// device (see [`virtio_harness::pci_input`] for the byte form); the harness checks the
+/// transport's invariants after each, then a reset and a bring-up.
+pub fn virtio_pci_access(data: &[u8]) {
+    virtio_harness::pci_access::run(&virtio_harness::pci_input::decode(data));
 }
 
 /// A target's harness.
 pub type Harness = fn(&[u8]);
 
 /// Every target by name: (corpus directory, harness).
-pub const TARGETS: [(&str, Harness); 5] = [
+pub const TARGETS: [(&str, Harness); 7] = [
     ("boot_loader", boot_loader),
     ("migration_stream", migration_stream),
     ("snapshot_file", snapshot_file),
     ("device_state", device_state),
     ("api_request", api_request),
+    ("virtio_blk_chains", virtio_blk_chains),
+    ("virtio_pci_access", virtio_pci_access),
 ];
 
 /// `cargo test --lib` here replays every input of `corpus/<target>/` and of

@@ -489,10 +489,11 @@ where
         self.signal(slot, mem, &mut pending_signal);
     }
 
-    /// Handles chains until none is left; returns how many it handled.
+    /// Handles chains until none is left or the queue is halted; returns how many it handled.
     fn serve_available(&mut self, slot: usize, mem: &M, pending: &mut u32) -> u32 {
         let mut served = 0;
-        while !self.control.yield_now.load(Ordering::SeqCst) {
+        // Halted here or before: the chains behind the broken entry stay unserved.
+        while !self.control.yield_now.load(Ordering::SeqCst) && !self.halted[slot] {
             let index = self.queues[slot].index;
             if !self.handler.ready(index) {
                 break;
@@ -724,6 +725,24 @@ mod tests {
         worker.resume().unwrap();
         assert_eq!(driver.wait_used(0, 2).len(), 2);
         assert_eq!(probe.handled().len(), 3);
+    }
+
+    #[test]
+    fn nothing_behind_a_head_beyond_the_queue_is_served() {
+        let mut driver = TestDriver::new(&[16]);
+        let probe = Probe::new();
+        let _worker = spawn(&driver, &probe, false);
+        let good = one_buffer_chain(&mut driver, 0);
+        driver.publish(0, 16);
+        one_buffer_chain(&mut driver, 0);
+        driver.kick(0);
+        assert_eq!(driver.wait_used(0, 1), vec![(u32::from(good), 7)]);
+        driver.assert_no_used(0, Duration::from_millis(50));
+        assert!(
+            driver.interrupt.broken.load(Ordering::SeqCst),
+            "no DEVICE_NEEDS_RESET"
+        );
+        assert_eq!(probe.handled().len(), 1);
     }
 
     #[test]

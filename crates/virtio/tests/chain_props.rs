@@ -21,8 +21,8 @@ static ALLOC: testkit::PeakAlloc = testkit::PeakAlloc;
 
 /// Runs a scenario under the time and allocation bounds. A device may buffer a whole request
 /// (a console line, 64 KiB of random bytes), never an amount a descriptor length chose.
-fn check(s: Scenario) {
-    bounded(Bounds::alloc(4 << 20), move || run(&s));
+fn check(s: Scenario) -> Reach {
+    bounded(Bounds::alloc(4 << 20), move || run(&s))
 }
 
 /// A length a driver might put in a descriptor, extremes included.
@@ -141,8 +141,8 @@ struct Plan {
     requests: Vec<Request>,
     splits: Vec<usize>,
     corruptions: Vec<(usize, bool, Corruption)>,
-    /// Heads beyond what was built (any value), appended to the last batch.
-    stray_heads: Vec<u16>,
+    /// Heads beyond what was built (any value) as (batch, position, head), inserted.
+    stray_heads: Vec<(usize, usize, u16)>,
     /// (batch, index) published instead of the honest available index.
     bogus_index: Option<(usize, u16)>,
     used_event: u16,
@@ -156,8 +156,15 @@ fn plan() -> impl Strategy<Value = Plan> {
         proptest::collection::vec(request(), 1..12),
         proptest::collection::vec(0usize..12, 0..3),
         proptest::collection::vec(corruption(), 0..4),
-        proptest::collection::vec(prop_oneof![0u16..8, any::<u16>()], 0..2),
-        proptest::option::weighted(0.1, (0usize..4, any::<u16>())),
+        proptest::collection::vec(
+            (
+                0usize..4,
+                0usize..16,
+                prop_oneof![3 => 0u16..8, 1 => any::<u16>()],
+            ),
+            0..3,
+        ),
+        proptest::option::weighted(0.05, (0usize..4, any::<u16>())),
         any::<u16>(),
     )
         .prop_map(
@@ -220,7 +227,11 @@ fn scenario(plan: Plan) -> Scenario {
         batch.heads.truncate(usize::from(s.queue_size));
         batch.used_event = plan.used_event;
     }
-    s.batches.last_mut().unwrap().heads.extend(plan.stray_heads);
+    for (batch, position, head) in plan.stray_heads {
+        let n = s.batches.len();
+        let heads = &mut s.batches[batch % n].heads;
+        heads.insert(position.min(heads.len()), head);
+    }
     if let Some((batch, index)) = plan.bogus_index {
         let n = s.batches.len();
         s.batches[batch % n].avail_idx = Some(index);
@@ -269,7 +280,7 @@ fn the_byte_form_round_trips() {
         ],
         splits: vec![1],
         corruptions: vec![],
-        stray_heads: vec![9],
+        stray_heads: vec![(0, 1, 9)],
         bogus_index: Some((1, 7)),
         used_event: 3,
     };
@@ -289,6 +300,25 @@ fn request_of(
         data,
         indirect,
     }
+}
+
+/// The generated scenarios mostly get their answers checked in full, reach halted queues on
+/// every device, and sometimes make a device rewrite its own rings.
+#[test]
+fn scenarios_reach_deep() {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let (mut checked, mut halted, mut rewrote, cases) = (0, 0, 0, 64);
+    for _ in 0..cases {
+        let reach = check(scenario(plan().new_tree(&mut runner).unwrap().current()));
+        checked += reach.checked_chains;
+        halted += usize::from(reach.halted);
+        rewrote += usize::from(reach.rewrote_input);
+    }
+    assert!(
+        checked > 3 * cases && halted > cases / 16 && rewrote < cases / 4,
+        "checked {checked}, halted {halted}, rewrote {rewrote}"
+    );
 }
 
 proptest! {
@@ -350,5 +380,119 @@ fn a_buffer_wrapping_the_address_space_is_not_written() {
         );
         b.publish(vec![head.unwrap()]);
         check(b.scenario);
+    }
+}
+
+/// A virtio-blk request whose device-readable data is `data` (segments of a DISCARD or
+/// WRITE_ZEROES, or sectors to write).
+fn block_with_data(b: &mut Builder, request_type: u32, sector: u64, data: Vec<u8>) -> u16 {
+    let header = b.alloc(16);
+    b.fill(header, block_header(request_type, sector));
+    let buf = b.alloc(data.len() as u32);
+    let len = data.len() as u32;
+    b.fill(buf, data);
+    let status = b.alloc(1);
+    b.chain(
+        &[(header, 16, false), (buf, len, false), (status, 1, true)],
+        false,
+    )
+    .unwrap()
+}
+
+/// One DISCARD or WRITE_ZEROES segment.
+fn segment(sector: u64, sectors: u32, flags: u32) -> Vec<u8> {
+    let mut raw = sector.to_le_bytes().to_vec();
+    raw.extend_from_slice(&sectors.to_le_bytes());
+    raw.extend_from_slice(&flags.to_le_bytes());
+    raw
+}
+
+/// The seeds of the `virtio_blk_chains` fuzz target: each request type, direct and behind
+/// indirect tables, several batches, and a few broken drivers.
+fn fuzz_seeds() -> Vec<(&'static str, Scenario)> {
+    let [read, write, flush, get_id, discard, zeroes] = BLOCK_REQUEST_TYPES;
+    let mut seeds = Vec::new();
+    let mut b = Builder::new(Target::Block, 16, false);
+    let heads = vec![
+        b.block(read, 0, Some((512, true)), false).unwrap(),
+        b.block(write, 1, Some((1024, false)), false).unwrap(),
+        b.block(flush, 0, None, false).unwrap(),
+        b.block(get_id, 0, Some((20, true)), false).unwrap(),
+    ];
+    b.publish(heads);
+    seeds.push(("requests", b.scenario));
+
+    let mut b = Builder::new(Target::Block, 256, true);
+    let first = b.block(read, 7, Some((4096, true)), true).unwrap();
+    let second = block_with_data(&mut b, discard, 0, segment(8, 8, 0));
+    let third = block_with_data(
+        &mut b,
+        zeroes,
+        0,
+        [segment(16, 8, 1), segment(40, 1, 0)].concat(),
+    );
+    b.publish(vec![first]);
+    b.publish(vec![second, third]);
+    seeds.push(("indirect-event-idx-ranges", b.scenario));
+
+    let mut b = Builder::new(Target::Block, 1, false);
+    let head = b
+        .block(write, IMAGE_SECTORS - 1, Some((512, false)), true)
+        .unwrap();
+    b.publish(vec![head]);
+    b.publish(vec![head]);
+    seeds.push(("one-entry-queue", b.scenario));
+
+    seeds.extend(hostile_seeds());
+    seeds
+}
+
+/// Seeds of broken drivers: a looping chain, a head beyond the queue with a chain behind it,
+/// a buffer that wraps around the address space, an available index far ahead.
+fn hostile_seeds() -> Vec<(&'static str, Scenario)> {
+    let [read, _, _, get_id, _, _] = BLOCK_REQUEST_TYPES;
+    let mut b = Builder::new(Target::Block, 8, false);
+    let head = b.block(read, 0, Some((512, true)), false).unwrap();
+    b.scenario.table[2].flags |= NEXT; // status -> header: a loop
+    b.publish(vec![head, 9, head]);
+    let looping = b.scenario;
+
+    let mut b = Builder::new(Target::Block, 8, false);
+    let header = b.alloc(16);
+    b.fill(header, block_header(get_id, 0));
+    let head = b.chain(
+        &[(header, 16, false), (u64::MAX - 0xfff, 0x1800, true)],
+        false,
+    );
+    b.publish(vec![head.unwrap()]);
+    b.scenario.batches[0].avail_idx = Some(40);
+    vec![
+        ("loop-then-bad-head", looping),
+        ("wrapping-buffer-bogus-index", b.scenario),
+    ]
+}
+
+/// Writes the seeds into `$FERROVM_FUZZ_CORPUS/virtio_blk_chains/` (run by
+/// `make fuzz-seeds`).
+#[test]
+#[ignore = "writes the fuzz corpus seeds; run by make fuzz-seeds"]
+fn write_fuzz_seeds() {
+    let Some(dir) = std::env::var_os("FERROVM_FUZZ_CORPUS") else {
+        panic!("set FERROVM_FUZZ_CORPUS to the fuzz corpus directory");
+    };
+    let dir = std::path::Path::new(&dir).join("virtio_blk_chains");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, scenario) in fuzz_seeds() {
+        let bytes = encode(&scenario);
+        assert_eq!(decode(&bytes), scenario, "{name}");
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}
+
+/// The seeds hold, as the fuzz target runs them.
+#[test]
+fn fuzz_seeds_run() {
+    for (_, scenario) in fuzz_seeds() {
+        check(scenario);
     }
 }

@@ -228,3 +228,113 @@ proptest! {
         check(decode(&data));
     }
 }
+
+/// Sets the PCI-configuration-access window (capability at 0x90) to 1 byte at BAR0 offset
+/// 0x14 (device_status), then writes and reads it through the window.
+fn window_seed() -> Vec<Op> {
+    let dword = |offset: u16, value: u32| Op::ConfigWrite {
+        offset,
+        sub: 0,
+        data: value.to_le_bytes().to_vec(),
+    };
+    vec![
+        dword(0x94, 0),
+        dword(0x98, 0x14),
+        dword(0x9c, 1),
+        Op::ConfigWrite {
+            offset: 0xa0,
+            sub: 0,
+            data: vec![ACKNOWLEDGE],
+        },
+        Op::ConfigRead { offset: 0xa0 },
+    ]
+}
+
+/// A bring-up with MSI-X, then the table and PBA read, and a request while the function is
+/// masked (its message pending until unmasked).
+fn msix_seed() -> Vec<Op> {
+    let mut ops = bring_up(0, 8, true, 1);
+    ops.extend([
+        Op::BarRead {
+            bar: 0,
+            offset: layout().table_offset,
+            len: 16,
+        },
+        Op::BarRead {
+            bar: 0,
+            offset: layout().pba_offset,
+            len: 8,
+        },
+        Op::Msix {
+            enable: true,
+            mask: true,
+        },
+        Op::Request { sector: 9 },
+        Op::Msix {
+            enable: true,
+            mask: false,
+        },
+    ]);
+    ops
+}
+
+/// BAR0 placed, unplaced, and placed elsewhere around a bring-up.
+fn bar_moves_seed() -> Vec<Op> {
+    let mut ops = vec![
+        Op::BarMoved {
+            base: Some(0xc000_0000),
+        },
+        Op::BarMoved { base: None },
+    ];
+    ops.extend(bring_up(0, 2, false, 1));
+    ops.push(Op::BarMoved {
+        base: Some(0xd000_0000),
+    });
+    ops
+}
+
+/// The seeds of the `virtio_pci_access` fuzz target: bring-ups with and without MSI-X, a
+/// reset in the middle, the PCI-configuration-access window, MSI-X table and PBA reads, the
+/// whole configuration space, BAR moves.
+fn fuzz_seeds() -> Vec<(&'static str, Vec<Op>)> {
+    let event_idx = 1 << 29;
+    let mut reset_midway = bring_up(0, 16, false, 1);
+    reset_midway.extend(bring_up(event_idx, 256, true, 2));
+    let config_space = (0..64)
+        .map(|dword| Op::ConfigRead { offset: dword * 4 })
+        .collect();
+    vec![
+        ("bring-up", bring_up(0, 16, false, 2)),
+        ("bring-up-msix", bring_up(event_idx, 256, true, 3)),
+        ("reset-midway", reset_midway),
+        ("pci-cfg-window", window_seed()),
+        ("msix", msix_seed()),
+        ("config-space", config_space),
+        ("bar-moves", bar_moves_seed()),
+    ]
+}
+
+/// Writes the seeds into `$FERROVM_FUZZ_CORPUS/virtio_pci_access/` (run by
+/// `make fuzz-seeds`).
+#[test]
+#[ignore = "writes the fuzz corpus seeds; run by make fuzz-seeds"]
+fn write_fuzz_seeds() {
+    let Some(dir) = std::env::var_os("FERROVM_FUZZ_CORPUS") else {
+        panic!("set FERROVM_FUZZ_CORPUS to the fuzz corpus directory");
+    };
+    let dir = std::path::Path::new(&dir).join("virtio_pci_access");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, ops) in fuzz_seeds() {
+        let bytes = encode(&ops);
+        assert_eq!(decode(&bytes), ops, "{name}");
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}
+
+/// The seeds hold, as the fuzz target runs them.
+#[test]
+fn fuzz_seeds_run() {
+    for (_, ops) in fuzz_seeds() {
+        check(ops);
+    }
+}

@@ -136,6 +136,16 @@ pub fn encode(s: &Scenario) -> Vec<u8> {
     let mode = target | (u8::from(s.event_idx) << 2);
     let log2 = s.queue_size.trailing_zeros() as u8;
     assert!(s.indirect.len() <= 3 && s.fills.len() <= 7 && (1..=4).contains(&s.batches.len()));
+    let lists = [s.table.len()]
+        .into_iter()
+        .chain(s.indirect.iter().map(Vec::len));
+    let lists = lists
+        .chain(s.fills.iter().map(|f| f.1.len()))
+        .chain(s.batches.iter().map(|b| b.heads.len()));
+    assert!(
+        lists.max().unwrap_or(0) <= 255,
+        "a list longer than its count byte"
+    );
     let counts =
         s.indirect.len() as u8 | (s.fills.len() as u8) << 2 | (s.batches.len() as u8 - 1) << 5;
     let mut out = vec![mode, log2, s.table.len() as u8, counts];

@@ -267,21 +267,23 @@ pub fn block_device() -> Block {
 }
 
 /// Reads fuzz input front to back; past its end every read gives zeros.
-pub struct ByteReader<'a>(&'a [u8]);
+pub struct ByteReader<'a> {
+    rest: &'a [u8],
+}
 
 impl<'a> ByteReader<'a> {
     pub fn new(data: &'a [u8]) -> Self {
-        ByteReader(data)
+        ByteReader { rest: data }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.rest.is_empty()
     }
 
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let take = n.min(self.0.len());
-        let (head, rest) = self.0.split_at(take);
-        self.0 = rest;
+        let take = n.min(self.rest.len());
+        let (head, rest) = self.rest.split_at(take);
+        self.rest = rest;
         let mut out = head.to_vec();
         out.resize(n, 0);
         out

@@ -52,20 +52,7 @@ fn read_offset(r: &mut ByteReader) -> u64 {
 
 fn read_op(r: &mut ByteReader) -> Op {
     match r.u8() % 14 {
-        0 => Op::BarRead {
-            bar: read_bar(r),
-            offset: read_offset(r),
-            len: usize::from(r.u8() % 17),
-        },
-        1 => {
-            let (bar, offset) = (read_bar(r), read_offset(r));
-            let len = usize::from(r.u8() % 17);
-            Op::BarWrite {
-                bar,
-                offset,
-                data: r.bytes(len),
-            }
-        }
+        code @ (0 | 1) => read_bar_access(r, code == 1),
         2 => Op::ConfigRead { offset: r.u16() },
         3 => {
             let (offset, sub, len) = (r.u16(), r.u8(), usize::from(r.u8() % 9));
@@ -106,6 +93,21 @@ fn read_op(r: &mut ByteReader) -> Op {
     }
 }
 
+/// BarRead or BarWrite (`write`), after the opcode.
+fn read_bar_access(r: &mut ByteReader, write: bool) -> Op {
+    let (bar, offset) = (read_bar(r), read_offset(r));
+    let len = usize::from(r.u8() % 17);
+    if write {
+        Op::BarWrite {
+            bar,
+            offset,
+            data: r.bytes(len),
+        }
+    } else {
+        Op::BarRead { bar, offset, len }
+    }
+}
+
 fn read_bar(r: &mut ByteReader) -> usize {
     if r.u8() % 8 == 1 {
         2
@@ -135,15 +137,9 @@ pub fn decode(data: &[u8]) -> Vec<Op> {
     ops
 }
 
-fn push_offset(out: &mut Vec<u8>, offset: u64) {
-    let value = u32::try_from(offset).expect("seed offsets fit 32 bits");
-    out.push(7);
-    out.extend_from_slice(&value.to_le_bytes());
-}
-
-fn push_op(out: &mut Vec<u8>, op: &Op) {
-    let code = |op: &Op| match op {
-        Op::BarRead { .. } => 0u8,
+fn op_code(op: &Op) -> u8 {
+    match op {
+        Op::BarRead { .. } => 0,
         Op::BarWrite { .. } => 1,
         Op::ConfigRead { .. } => 2,
         Op::ConfigWrite { .. } => 3,
@@ -157,32 +153,33 @@ fn push_op(out: &mut Vec<u8>, op: &Op) {
         Op::SetVectors { .. } => 11,
         Op::Request { .. } => 12,
         Op::Kick { .. } => 13,
+    }
+}
+
+fn push_bar_access(out: &mut Vec<u8>, bar: usize, offset: u64, len: usize) {
+    out.push(u8::from(bar == 2));
+    let value = u32::try_from(offset).expect("seed offsets fit 32 bits");
+    out.push(7);
+    out.extend_from_slice(&value.to_le_bytes());
+    out.push(len as u8);
+}
+
+fn push_op(out: &mut Vec<u8>, op: &Op) {
+    out.push(op_code(op));
+    let u16s = |out: &mut Vec<u8>, values: &[u16]| {
+        values
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes()))
     };
-    out.push(code(op));
-    let bar = |bar: usize| if bar == 2 { 1u8 } else { 0 };
     match op {
-        Op::BarRead {
-            bar: b,
-            offset,
-            len,
-        } => {
-            out.push(bar(*b));
-            push_offset(out, *offset);
-            out.push(*len as u8);
-        }
-        Op::BarWrite {
-            bar: b,
-            offset,
-            data,
-        } => {
-            out.push(bar(*b));
-            push_offset(out, *offset);
-            out.push(data.len() as u8);
+        Op::BarRead { bar, offset, len } => push_bar_access(out, *bar, *offset, *len),
+        Op::BarWrite { bar, offset, data } => {
+            push_bar_access(out, *bar, *offset, data.len());
             out.extend_from_slice(data);
         }
-        Op::ConfigRead { offset } => out.extend_from_slice(&offset.to_le_bytes()),
+        Op::ConfigRead { offset } => u16s(out, &[*offset]),
         Op::ConfigWrite { offset, sub, data } => {
-            out.extend_from_slice(&offset.to_le_bytes());
+            u16s(out, &[*offset]);
             out.extend_from_slice(&[*sub, data.len() as u8]);
             out.extend_from_slice(data);
         }
@@ -196,15 +193,12 @@ fn push_op(out: &mut Vec<u8>, op: &Op) {
         Op::DriverOk => {}
         Op::Msix { enable, mask } => out.push(u8::from(*enable) | u8::from(*mask) << 1),
         Op::Vector { entry, masked } => {
-            out.extend_from_slice(&entry.to_le_bytes());
+            u16s(out, &[*entry]);
             out.push(u8::from(*masked));
         }
-        Op::SetVectors { config, queue } => {
-            out.extend_from_slice(&config.to_le_bytes());
-            out.extend_from_slice(&queue.to_le_bytes());
-        }
+        Op::SetVectors { config, queue } => u16s(out, &[*config, *queue]),
         Op::Request { sector } => out.push(*sector),
-        Op::Kick { queue } => out.extend_from_slice(&queue.to_le_bytes()),
+        Op::Kick { queue } => u16s(out, &[*queue]),
     }
 }
 
