@@ -13,7 +13,7 @@ FERROVM := target/release/ferrovm
 FREEBSD_TARGET := x86_64-unknown-freebsd
 
 .PHONY: all deps build guests run test check-kvm fmt-check clippy check-freebsd \
-	check-freebsd-if-installed unit-tests clean bench fuzz fuzz-seeds soak
+	check-freebsd-if-installed unit-tests clean bench fuzz fuzz-seeds soak props
 
 all: build
 
@@ -62,10 +62,14 @@ check-freebsd-if-installed:
 		echo "FreeBSD cross-check skipped: Rust target $(FREEBSD_TARGET) is not installed and could not be downloaded (rustup target add $(FREEBSD_TARGET))"; \
 	fi
 
+# The property tests draw their cases from a fixed seed here, so a red run is repeatable;
+# `make props` draws fresh cases every time.
+PROPTEST_SEED ?= 1
+
 test: deps guests check-kvm fmt-check clippy check-freebsd-if-installed
 	$(CARGO) build --workspace
 	@set -o pipefail; \
-	FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) $(CARGO) test --workspace --all-targets 2>&1 \
+	PROPTEST_RNG_SEED=$(PROPTEST_SEED) FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) $(CARGO) test --workspace --all-targets 2>&1 \
 		| tee target/test.log; status=$$?; \
 	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
 	exit $$status
@@ -90,6 +94,14 @@ soak: build
 # FUZZ_UPDATE_CORPUS=1 merges what was found into fuzz/corpus (minimised). docs/testing.md.
 fuzz:
 	FUZZ_SECONDS=$(or $(FUZZ_SECONDS),60) ./scripts/fuzz.sh
+
+# The property tests with fresh random cases (not part of `make test`, which fixes the seed),
+# PROPS_RUNS times over (default 5).
+props:
+	for run in $$(seq $(or $(PROPS_RUNS),5)); do \
+		PROPTEST_RNG_SEED=$$(od -An -N8 -tu8 /dev/urandom | tr -d ' ') ; echo "seed $$PROPTEST_RNG_SEED"; \
+		PROPTEST_RNG_SEED=$$PROPTEST_RNG_SEED $(CARGO) test -p boot -p migration -p devices -p vmm -p virtio props || exit 1; \
+	done
 
 # Rewrites the seed inputs of fuzz/corpus from the crates' own test builders.
 fuzz-seeds:
