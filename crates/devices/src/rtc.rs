@@ -270,7 +270,12 @@ pub struct Rtc {
     line: bool,
     missed: u64,
     waker: Option<Arc<dyn TimerWaker>>,
+    alarm_hook: Option<AlarmHook>,
 }
+
+/// Called, with the RTC's lock held, when the alarm fires with AIE set (the ACPI RTC event
+/// that wakes a sleeping machine). It must not take the RTC's lock.
+pub type AlarmHook = Arc<dyn Fn() + Send + Sync>;
 
 impl std::fmt::Debug for Rtc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -303,6 +308,7 @@ impl Rtc {
             line: false,
             missed: 0,
             waker: None,
+            alarm_hook: None,
         }
     }
 
@@ -317,6 +323,11 @@ impl Rtc {
     /// the interrupt enables.
     pub fn set_waker(&mut self, waker: Arc<dyn TimerWaker>) {
         self.waker = Some(waker);
+    }
+
+    /// Calls `hook` whenever the alarm fires with AIE set.
+    pub fn set_alarm_hook(&mut self, hook: AlarmHook) {
+        self.alarm_hook = Some(hook);
     }
 
     /// Whether the guest has masked NMIs through port 0x70.
@@ -565,6 +576,7 @@ impl Rtc {
         let b = self.reg(REG_B);
         let mut flags = 0u8;
         let mut events = 0u64;
+        let mut alarm = false;
         if let Some(p) = self.period_ticks() {
             let crossed = ticks32(t) / p - ticks32(prev) / p;
             if crossed > 0 {
@@ -583,11 +595,15 @@ impl Rtc {
                 flags |= C_AF;
                 if b & B_AIE != 0 {
                     events += 1;
+                    alarm = true;
                 }
             }
         }
         self.s.cmos[usize::from(REG_C)] |= flags;
         self.update_irq();
+        if let (true, Some(hook)) = (alarm, &self.alarm_hook) {
+            hook();
+        }
         events
     }
 
