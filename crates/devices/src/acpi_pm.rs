@@ -497,6 +497,7 @@ mod tests {
     #[test]
     fn other_sleep_types_ignored() {
         let f = setup();
+        // S3 (1) too, without a sleep control.
         for t in [0u16, 1, 3, 4, 7] {
             outw(&f.bus, 0x604, (t << SLP_TYP_SHIFT) | SLP_EN);
         }
@@ -508,6 +509,62 @@ mod tests {
         // SCI_EN cannot be cleared.
         outw(&f.bus, 0x604, 0);
         assert_eq!(inw(&f.bus, 0x604), SCI_EN);
+    }
+
+    #[derive(Default)]
+    struct CountingSleep(AtomicUsize);
+    impl SleepControl for CountingSleep {
+        fn suspend(&self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn s3_suspends_through_the_sleep_control() {
+        let f = setup();
+        let sleep = Arc::new(CountingSleep::default());
+        f.dev.lock().unwrap().sleep = Some(sleep.clone());
+        let typ = S3_SLP_TYP << SLP_TYP_SHIFT;
+        outw(&f.bus, 0x604, SCI_EN | typ);
+        assert_eq!(sleep.0.load(Ordering::SeqCst), 0, "SLP_TYP alone");
+        outw(&f.bus, 0x604, SCI_EN | typ | SLP_EN);
+        assert_eq!(sleep.0.load(Ordering::SeqCst), 1);
+        assert!(!f.exit.is_requested(), "S3 is not an exit");
+        // Other types still do nothing; S5 still powers off.
+        outw(&f.bus, 0x604, (3 << SLP_TYP_SHIFT) | SLP_EN);
+        assert_eq!(sleep.0.load(Ordering::SeqCst), 1);
+        outw(&f.bus, 0x604, (S5_SLP_TYP << SLP_TYP_SHIFT) | SLP_EN);
+        assert_eq!(f.exit.reason(), Some(ExitReason::PowerOff));
+    }
+
+    #[test]
+    fn rtc_alarm_and_wake_status() {
+        let f = setup();
+        let mut pm = f.dev.lock().unwrap();
+        // RTC_EN clear: RTC_STS latches, no SCI, no wake-up allowed.
+        assert!(!pm.rtc_alarm());
+        assert_eq!(pm.status() & RTC_STS, RTC_STS);
+        assert_eq!(f.sci.0.load(Ordering::SeqCst), 0);
+        pm.write_byte(PM1_STS + 1, (RTC_STS >> 8) as u8);
+        assert_eq!(pm.status() & RTC_STS, 0, "write 1 to clear");
+        // RTC_EN set: the alarm may wake the machine and raises the SCI.
+        pm.write_byte(PM1_EN + 1, (RTC_STS >> 8) as u8);
+        assert!(pm.rtc_alarm());
+        assert_eq!(f.sci.0.load(Ordering::SeqCst), 1);
+        pm.write_byte(PM1_STS + 1, 0xff);
+        pm.woke(WakeEvent::RtcAlarm);
+        assert_eq!(pm.status() & (WAK_STS | RTC_STS), WAK_STS | RTC_STS);
+        pm.write_byte(PM1_STS + 1, 0xff);
+        pm.woke(WakeEvent::PowerButton);
+        assert_eq!(pm.status() & (WAK_STS | PWRBTN_STS), WAK_STS | PWRBTN_STS);
+        pm.write_byte(PM1_STS + 1, 0xff);
+        pm.woke(WakeEvent::Resume);
+        assert_eq!(pm.status() & !TMR_STS, WAK_STS);
+        // WAK_STS survives a snapshot.
+        let state = pm.state();
+        let mut other = AcpiPm::new(f.exit.clone());
+        other.restore(&state).unwrap();
+        assert_eq!(other.status() & WAK_STS, WAK_STS);
     }
 
     #[test]

@@ -987,6 +987,11 @@ mod tests {
         assert_eq!(lines.take(), vec![(8, false)]);
 
         // Alarm at 00:00:01 (after midnight), hours and minutes as given.
+        let hook_calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let calls = hook_calls.clone();
+        rtc.set_alarm_hook(Arc::new(move || {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }));
         wr(&mut rtc, REG_B, B_24H | B_AIE, d);
         wr(&mut rtc, REG_SECONDS_ALARM, 0x01, d);
         wr(&mut rtc, REG_MINUTES_ALARM, 0x00, d);
@@ -997,9 +1002,12 @@ mod tests {
         assert_eq!(rd(&mut rtc, REG_C, d + ms(1000)), C_UF);
         let d2 = rtc.next_irq_deadline().unwrap();
         assert_eq!(d2, d + ms(2000));
+        assert_eq!(hook_calls.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(rtc.on_timer(d2), 1);
         assert_eq!(lines.take(), vec![(8, true)]);
         assert_eq!(rd(&mut rtc, REG_C, d2), C_IRQF | C_AF | C_UF);
+        // The alarm with AIE called the hook once (the ACPI RTC event).
+        assert_eq!(hook_calls.load(std::sync::atomic::Ordering::SeqCst), 1);
 
         // SET clears UIE and stops updates and deadlines.
         wr(&mut rtc, REG_B, B_SET | B_UIE | B_24H, d2);

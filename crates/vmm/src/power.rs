@@ -248,3 +248,26 @@ fn set_waking_registers(vcpu: &dyn Vcpu, vector: WakingVector) -> Result<()> {
     })?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn power() -> PowerControl {
+        let memory = crate::memory::create_guest_memory(4 << 20, false).unwrap();
+        PowerControl::new(2, false, Arc::new(memory))
+    }
+
+    #[test]
+    fn a_wake_event_only_wakes_a_sleeping_machine() {
+        let p = power();
+        assert!(!p.wake(WakeEvent::Resume), "awake: nothing to wake");
+        assert!(!p.suspend_requested() && !p.is_suspended());
+        p.suspend();
+        assert!(p.suspend_requested());
+        // The vCPUs are still on their way to sleep: the event waits for them.
+        assert!(p.wake(WakeEvent::RtcAlarm));
+        assert_eq!(lock(&p.inner).pending_wake, Some(WakeEvent::RtcAlarm));
+        assert!(!p.is_suspended());
+    }
+}
