@@ -591,7 +591,12 @@ fn find_facs<M: GuestMemory + ?Sized>(mem: &M) -> Result<u64, WakingVectorError>
         if read_u32(mem, table) != Some(u32::from_le_bytes(*b"FACP")) {
             continue;
         }
-        let x_facs = read_u64(mem, table + 132).ok_or(bad("FADT unreadable"))?;
+        let fadt_len = read_u32(mem, table + 4).ok_or(bad("FADT unreadable"))?;
+        // X_FIRMWARE_CTRL (offset 132) exists only in a FADT of revision 2 and later.
+        let x_facs = match fadt_len {
+            140.. => read_u64(mem, table + 132).ok_or(bad("FADT unreadable"))?,
+            _ => 0,
+        };
         let facs = match x_facs {
             0 => u64::from(read_u32(mem, table + 36).ok_or(bad("FADT unreadable"))?),
             x => x,
