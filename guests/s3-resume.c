@@ -12,8 +12,10 @@
  * (RTC_C's AF is reported, not required: QEMU's wake-up resets the RTC's flags.)
  * Under QEMU -M pc it passes the same way; under -M q35 the ICH9's PM block is not
  * decoded again before the OS reprograms the LPC bridge, so PM1_STS reads 0xffff.
- * `wake=api` arms no alarm and expects the API's resume instead (WAK_STS alone).  Any
- * mismatch fails.
+ * `wake=api` arms no alarm and expects the API's resume instead (WAK_STS alone).
+ * `vector=x32` sets X_Firmware_Waking_Vector instead, to the trampoline's 32-bit entry,
+ * which must be entered in flat protected mode, paging off ("s3: woke in 32-bit protected
+ * mode"); `vector=none` sets neither (the VMM must refuse to resume).  Any mismatch fails.
  */
 #include "kit.h"
 
@@ -27,7 +29,7 @@
 #define S3_SLP_TYP	1u
 #define PATTERN_KIB	64
 
-extern char s3_tramp_start[], s3_tramp_end[], s3_tramp_ip[];
+extern char s3_tramp_start[], s3_tramp_end[], s3_tramp_ip[], s3_tramp32[], t_entry32[];
 extern char t_cs[], t_ip[], t_cr0[], t_pm1[], t_gdtr[], t_cr3[], t_cr4[], t_efer[],
 	t_cr0_saved[], t_rsp[], t_entry[];
 
@@ -39,7 +41,7 @@ extern char t_cs[], t_ip[], t_cr0[], t_pm1[], t_gdtr[], t_cr3[], t_cr4[], t_efer
 __asm__(
 	".section .rodata.s3tramp, \"a\"\n"
 	".code16\n"
-	".globl s3_tramp_start, s3_tramp_end, s3_tramp_ip\n"
+	".globl s3_tramp_start, s3_tramp_end, s3_tramp_ip, s3_tramp32, t_entry32\n"
 	".globl t_cs, t_ip, t_cr0, t_pm1, t_gdtr, t_cr3, t_cr4, t_efer, t_cr0_saved, t_rsp, t_entry\n"
 	"s3_tramp_start:\n"
 	"	cli\n"
@@ -67,6 +69,28 @@ __asm__(
 	"	movl t_cr0_saved - s3_tramp_start, %eax\n"
 	"	movl %eax, %cr0\n"
 	"	ljmpl $0x08, $(0x30000 + 2f - s3_tramp_start)\n"
+	/* X_Firmware_Waking_Vector entry: flat 32-bit protected mode, no GDT of ours yet. */
+	".code32\n"
+	"s3_tramp32:\n"
+	"	cli\n"
+	"	lgdtl 0x30000 + t_gdtr - s3_tramp_start\n"
+	"	movl %cr0, %eax\n"
+	"	movw %ax, 0x30000 + t_cr0 - s3_tramp_start\n"
+	"	movw $1, 0x30000 + t_entry32 - s3_tramp_start\n"
+	"	movw $0x600, %dx\n"
+	"	inw %dx, %ax\n"
+	"	movw %ax, 0x30000 + t_pm1 - s3_tramp_start\n"
+	"	movl 0x30000 + t_cr4 - s3_tramp_start, %eax\n"
+	"	movl %eax, %cr4\n"
+	"	movl 0x30000 + t_cr3 - s3_tramp_start, %eax\n"
+	"	movl %eax, %cr3\n"
+	"	movl $0xc0000080, %ecx\n"
+	"	movl 0x30000 + t_efer - s3_tramp_start, %eax\n"
+	"	xorl %edx, %edx\n"
+	"	wrmsr\n"
+	"	movl 0x30000 + t_cr0_saved - s3_tramp_start, %eax\n"
+	"	movl %eax, %cr0\n"
+	"	ljmpl $0x08, $(0x30000 + 2f - s3_tramp_start)\n"
 	".code64\n"
 	"2:	movw $0x10, %ax\n"
 	"	movw %ax, %ds\n"
@@ -92,6 +116,7 @@ __asm__(
 	"t_ip:	.word 0xffff\n"
 	"t_cr0:	.word 0xffff\n"
 	"t_pm1:	.word 0\n"
+	"t_entry32:	.word 0\n"
 	"s3_tramp_end:\n"
 	".code64\n"
 	".previous\n");
@@ -108,6 +133,8 @@ static u16 saved_cs;
 static u64 *pattern;
 static u64 pattern_seed;
 static bool rtc_wake;		/* false: wake=api */
+enum vector_kind { V_REAL, V_X32, V_NONE };
+static enum vector_kind vector_kind;	/* vector=real (default), x32 or none */
 
 static u64 next(u64 *x)
 {
@@ -177,9 +204,12 @@ static void set_waking_vector(void)
 		facs = *(const u32 *)(fadt + 36);
 	if (memcmp((const void *)facs, "FACS", 4))
 		fail("no FACS at 0x%lx", facs);
-	*(volatile u32 *)(facs + 12) = (u32)TRAMP_BASE;	/* real mode 3000:0000 */
-	*(volatile u64 *)(facs + 24) = 0;
-	printf("s3: FACS at 0x%lx, waking vector 0x%lx\n", facs, TRAMP_BASE);
+	u64 x32 = TRAMP_BASE + (u64)(s3_tramp32 - s3_tramp_start);
+	*(volatile u32 *)(facs + 12) = vector_kind == V_REAL ? (u32)TRAMP_BASE : 0;
+	*(volatile u64 *)(facs + 24) = vector_kind == V_X32 ? x32 : 0;
+	printf("s3: FACS at 0x%lx, waking vector %s 0x%lx\n", facs,
+	       vector_kind == V_X32 ? "(X_, 32-bit)" : "(real mode)",
+	       vector_kind == V_REAL ? TRAMP_BASE : vector_kind == V_X32 ? x32 : 0);
 }
 
 void guest_main(void)
@@ -187,6 +217,10 @@ void guest_main(void)
 	size_t len;
 	const char *w = cmdline_arg("wake", &len);
 	rtc_wake = !(w && len == 3 && !strncmp(w, "api", 3));
+	const char *v = cmdline_arg("vector", &len);
+	vector_kind = v && len == 3 && !strncmp(v, "x32", 3)	? V_X32
+		      : v && len == 4 && !strncmp(v, "none", 4) ? V_NONE
+								 : V_REAL;
 	fill_pattern();
 	install_trampoline();
 	set_waking_vector();
@@ -215,14 +249,25 @@ void s3_resumed(void)
 	u16 want_ip = (u16)(s3_tramp_ip - s3_tramp_start);
 	u8 rtc_c = rtc_read(RTC_REG_C);
 	bool intact = pattern_intact();
-	printf("s3: woke in %s mode at %04x:%04x, PM1_STS%s%s, RTC_C%s, RAM %s (%u KiB)\n",
-	       cr0 & 1 ? "protected" : "real", cs, (u16)(ip - want_ip), pm1 & WAK_STS ? " wak" : "",
-	       pm1 & RTC_STS ? " rtc" : "",
-	       rtc_c & 0x20 ? " alarm" : " no-alarm", intact ? "intact" : "CHANGED", PATTERN_KIB);
-	if (cr0 & 1)
+	bool entry32 = TFIELD(u16, t_entry32);
+	if (entry32)
+		printf("s3: woke in 32-bit protected mode (CR0 0x%x) at 0x%lx", cr0,
+		       TRAMP_BASE + (u64)(s3_tramp32 - s3_tramp_start));
+	else
+		printf("s3: woke in %s mode at %04x:%04x", cr0 & 1 ? "protected" : "real", cs,
+		       (u16)(ip - want_ip));
+	printf(", PM1_STS%s%s, RTC_C%s, RAM %s (%u KiB)\n", pm1 & WAK_STS ? " wak" : "",
+	       pm1 & RTC_STS ? " rtc" : "", rtc_c & 0x20 ? " alarm" : " no-alarm",
+	       intact ? "intact" : "CHANGED", PATTERN_KIB);
+	if (vector_kind == V_X32) {
+		if (!entry32 || (cr0 & 0x8001) != 1)	/* PE on, PG off (bit 31 not recorded) */
+			fail("X_Firmware_Waking_Vector not entered in 32-bit protected mode");
+	} else if (entry32 || (cr0 & 1)) {
 		fail("the waking vector was entered in protected mode");
-	if (cs != TRAMP_BASE >> 4 || ip != want_ip)
-		fail("entered at %04x:%04x, not at %04lx:0000", cs, (u16)(ip - want_ip), TRAMP_BASE >> 4);
+	} else if (cs != TRAMP_BASE >> 4 || ip != want_ip) {
+		fail("entered at %04x:%04x, not at %04lx:0000", cs, (u16)(ip - want_ip),
+		     TRAMP_BASE >> 4);
+	}
 	if (!(pm1 & WAK_STS))
 		fail("WAK_STS clear after the wake-up (PM1_STS 0x%x)", pm1);
 	/* AF is only reported: QEMU's wake-up resets the RTC's flags, ferrovm keeps them. */

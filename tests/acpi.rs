@@ -38,6 +38,21 @@ fn s3_rtc_alarm_wakes_a_direct_boot_at_the_waking_vector() {
     }
 }
 
+#[test]
+fn s3_x_waking_vector_resumes_in_32_bit_protected_mode() {
+    let run = run_guest("s3-resume", &["--cmdline", "vector=x32"]);
+    expect_pass(&run);
+    run.expect_stdout("s3: woke in 32-bit protected mode (CR0 0x11) at 0x3")
+        .expect_stdout("PM1_STS wak rtc, RTC_C alarm, RAM intact");
+}
+
+#[test]
+fn s3_without_a_waking_vector_stops_the_vmm_with_one_line() {
+    let run = run_guest("s3-resume", &["--cmdline", "vector=none"]);
+    run.expect_error("resume from S3: the OS set no waking vector in the FACS at 0xe01c0");
+    assert!(!run.stdout.contains("s3: woke"), "{}", run.stdout);
+}
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ferrovm-acpi-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
