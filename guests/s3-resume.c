@@ -15,7 +15,8 @@
  * `wake=api` arms no alarm and expects the API's resume instead (WAK_STS alone).
  * `vector=x32` sets X_Firmware_Waking_Vector instead, to the trampoline's 32-bit entry,
  * which must be entered in flat protected mode, paging off ("s3: woke in 32-bit protected
- * mode"); `vector=none` sets neither (the VMM must refuse to resume).  Any mismatch fails.
+ * mode"); `vector=none` sets neither (the VMM must refuse to resume).  `cycles=N` sleeps
+ * N times in a row.  Any mismatch fails.
  */
 #include "kit.h"
 
@@ -212,18 +213,16 @@ static void set_waking_vector(void)
 	       vector_kind == V_REAL ? TRAMP_BASE : vector_kind == V_X32 ? x32 : 0);
 }
 
-void guest_main(void)
+static unsigned cycles, done;	/* cycles=N: sleep N times (default 1) */
+
+/* Clears PM1 status and the trampoline's records, arms the wake event, sleeps. */
+static NORETURN void enter_s3(void)
 {
-	size_t len;
-	const char *w = cmdline_arg("wake", &len);
-	rtc_wake = !(w && len == 3 && !strncmp(w, "api", 3));
-	const char *v = cmdline_arg("vector", &len);
-	vector_kind = v && len == 3 && !strncmp(v, "x32", 3)	? V_X32
-		      : v && len == 4 && !strncmp(v, "none", 4) ? V_NONE
-								 : V_REAL;
-	fill_pattern();
-	install_trampoline();
-	set_waking_vector();
+	TFIELD(u16, t_cs) = 0xffff;
+	TFIELD(u16, t_ip) = 0xffff;
+	TFIELD(u16, t_cr0) = 0xffff;
+	TFIELD(u16, t_pm1) = 0;
+	TFIELD(u16, t_entry32) = 0;
 	outw(PM1_STS, 0xffff);
 	if (rtc_wake) {
 		arm_alarm((unsigned)cmdline_uint("alarm_s", 2));
@@ -236,6 +235,22 @@ void guest_main(void)
 	/* Still here: the VMM did not suspend the machine. */
 	tsc_delay_us(200000);
 	fail("still running 200 ms after SLP_EN with SLP_TYP %u", S3_SLP_TYP);
+}
+
+void guest_main(void)
+{
+	cycles = (unsigned)cmdline_uint("cycles", 1);
+	size_t len;
+	const char *w = cmdline_arg("wake", &len);
+	rtc_wake = !(w && len == 3 && !strncmp(w, "api", 3));
+	const char *v = cmdline_arg("vector", &len);
+	vector_kind = v && len == 3 && !strncmp(v, "x32", 3)	? V_X32
+		      : v && len == 4 && !strncmp(v, "none", 4) ? V_NONE
+								 : V_REAL;
+	fill_pattern();
+	install_trampoline();
+	set_waking_vector();
+	enter_s3();
 }
 
 /* Back in long mode on the trampoline's GDT: the kit's descriptor tables, then checks. */
@@ -277,5 +292,8 @@ void s3_resumed(void)
 		fail("RTC_STS set after the API's resume (PM1_STS 0x%x)", pm1);
 	if (!intact)
 		fail("RAM changed across S3");
+	if (++done < cycles)
+		enter_s3();
+	printf("s3: %u sleep(s), every wake-up checked\n", done);
 	pass();
 }

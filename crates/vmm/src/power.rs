@@ -45,6 +45,9 @@ struct Inner {
     pending_wake: Option<WakeEvent>,
     /// Counts wake-ups; a sleeping vCPU waits for it to move.
     wakeups: u64,
+    /// vCPUs a wake-up released that have not left yet: a new sleep waits for them, so
+    /// that it counts only vCPUs of its own round.
+    leaving: u32,
 }
 
 /// The machine's sleep state; shared by the ACPI PM device, the RTC, the vCPUs and the API.
@@ -139,6 +142,7 @@ impl PowerControl {
         inner.suspended = false;
         inner.pending_wake = None;
         inner.wakeups += 1;
+        inner.leaving = inner.asleep;
         self.requested.store(false, Ordering::Release);
         self.cond.notify_all();
     }
@@ -153,6 +157,9 @@ impl PowerControl {
             }
         }
         let mut inner = lock(&self.inner);
+        while inner.leaving > 0 && !stop.load(Ordering::Acquire) {
+            inner = self.wait(inner);
+        }
         let round = inner.wakeups;
         inner.asleep += 1;
         if inner.asleep == self.vcpus {
@@ -163,18 +170,26 @@ impl PowerControl {
             }
         }
         while inner.wakeups == round && !stop.load(Ordering::Acquire) {
-            inner = self
-                .cond
-                .wait_timeout(inner, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            inner = self.wait(inner);
         }
         inner.asleep -= 1;
+        if inner.wakeups != round {
+            inner.leaving = inner.leaving.saturating_sub(1);
+            self.cond.notify_all();
+        }
         drop(inner);
         if stop.load(Ordering::Acquire) {
             return Ok(());
         }
         self.reset_for_resume(vcpu)
+    }
+
+    /// Waits for a change, at most 100 ms (the caller re-checks the stop flag).
+    fn wait<'a>(&self, inner: MutexGuard<'a, Inner>) -> MutexGuard<'a, Inner> {
+        self.cond
+            .wait_timeout(inner, Duration::from_millis(100))
+            .unwrap_or_else(|e| e.into_inner())
+            .0
     }
 
     /// Gives `vcpu` the state the platform leaves it in when it resumes.
