@@ -9,7 +9,10 @@
  * (parked in wait-for-SIPI), then with every AP spinning on PAUSE in ring 3.
  * ("ring0" on the command line: the APs spin in ring 0 instead.)
  * PASS if the second rate is at least a quarter of the first ("min_pct=",
- * default 25): a VMM that
+ * default 25) in one of "attempts=" (default 3) measurements with the APs
+ * spinning: the host's other load can take the BSP's CPU for part of one
+ * interval, which a fair VMM cannot prevent, while a VMM that starves the
+ * BSP loses the ticks in every interval.  A VMM that
  * lets spinning vCPUs starve the others (no PAUSE-loop exiting / yielding
  * on a host with fewer CPUs than vCPUs) loses most ticks; a fair one loses
  * at most the share the spinners take (on a 2-CPU host with 4 vCPUs the BSP
@@ -86,14 +89,19 @@ void guest_main(void)
 		pause();
 	if (spinning < aps)
 		fail("only %u of %u APs spinning", spinning, aps);
-	u64 t2 = enter_ring3_irq(measure, cycles, true);
+	u64 attempts = cmdline_uint("attempts", 3), tried = 0, t2 = 0;
+	while (tried < attempts && (tried == 0 || t2 * 100 < t1 * min_pct)) {
+		u64 t = enter_ring3_irq(measure, cycles, true);
+		t2 = t > t2 ? t : t2;
+		tried++;
+	}
 	stop = 1;
 	lapic_timer_stop();
 
 	u64 r1 = t1 * 1000 / ms, r2 = t2 * 1000 / ms;
 	u64 ratio = r1 ? r2 * 100 / r1 : 0;
-	printf("pause-spin: idle rate %lu/s, with %u APs spinning %lu/s, ratio %lu.%02lu\n",
-	       r1, aps, r2, ratio / 100, ratio % 100);
+	printf("pause-spin: idle rate %lu/s, with %u APs spinning %lu/s (best of %lu), "
+	       "ratio %lu.%02lu\n", r1, aps, r2, tried, ratio / 100, ratio % 100);
 	if (!r1)
 		fail("no timer interrupts at all");
 	if (ratio < min_pct)

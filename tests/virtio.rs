@@ -408,14 +408,7 @@ fn blk_stress_2_queues_4_vcpus_split_irqchip() {
 fn blk_hostile_every_case_handled() {
     let dir = scratch("hostile");
     let image = sparse_image(&dir, "disk.img");
-    let mut r = run_guest("blk-hostile", &["--disk", s(&image)]);
-    // Known flake, about 1 run in 10 on this host: the good read after one case's device reset
-    // times out. Every case's own verdict was right when it happens; the lost completion is
-    // being investigated. One retry keeps the other checks in force meanwhile.
-    if r.status == Some(3) && r.stdout.contains("did not recover after a reset (timeout)") {
-        eprintln!("blk-hostile: a reset's good read timed out; running it once more");
-        r = run_guest("blk-hostile", &["--disk", s(&image)]);
-    }
+    let r = run_guest("blk-hostile", &["--disk", s(&image)]);
     expect_pass(&r);
     let cases: Vec<&str> = r
         .stdout

@@ -8,7 +8,7 @@
 //! | XSDT | next 64-byte boundary | FADT, MADT, MCFG |
 //! | FADT | next 64-byte boundary (276 bytes, revision 6.5) | FACS, DSDT, fixed hardware ports |
 //! | FACS | next 64-byte boundary (64 bytes) | global lock, waking vector (both unused) |
-//! | DSDT | next 64-byte boundary | `\_S5_`, COM1, ACPI PM I/O resources, PCI root bridge |
+//! | DSDT | next 64-byte boundary | `\_S3_`, `\_S5_`, COM1, ACPI PM I/O resources, PCI root bridge |
 //! | MADT | next 64-byte boundary | local APICs, IOAPIC, overrides, LINT1 NMI |
 //! | MCFG | next 64-byte boundary | ECAM of PCI segment 0, bus 0 |
 //!
@@ -80,6 +80,8 @@ pub const SCI_IRQ: u8 = 9;
 /// SLP_TYP value of the `\_S5_` (soft off) package: writing it with SLP_EN to PM1a control
 /// powers the machine off.
 pub const S5_SLP_TYP: u8 = 5;
+/// SLP_TYP value of the `\_S3_` (suspend to RAM) package.
+pub const S3_SLP_TYP: u8 = 1;
 /// Reset register: the i8042 command port.
 pub const RESET_PORT: u16 = 0x64;
 /// Value written to [`RESET_PORT`] to reset (pulse the CPU reset line).
@@ -281,9 +283,13 @@ fn ecam_reservation() -> RawAml {
     )))
 }
 
-/// The DSDT: `\_S5_` and, under `\_SB_`, COM1, the ACPI PM I/O ports (with the PM timer
+/// The DSDT: `\_S3_`, `\_S5_` and, under `\_SB_`, COM1, the ACPI PM I/O ports (with the PM timer
 /// wherever it is) as motherboard resources, the PCI root bridge and the ECAM reservation.
 fn dsdt(pm_timer_port: u16, mem_size: u64, mmio32_end: u64) -> Vec<u8> {
+    let s3 = aml::Name::new(
+        "\\_S3_".into(),
+        &aml::Package::new(vec![&S3_SLP_TYP, &S3_SLP_TYP, &aml::ZERO, &aml::ZERO]),
+    );
     let s5 = aml::Name::new(
         "\\_S5_".into(),
         &aml::Package::new(vec![&S5_SLP_TYP, &S5_SLP_TYP, &aml::ZERO, &aml::ZERO]),
@@ -316,6 +322,7 @@ fn dsdt(pm_timer_port: u16, mem_size: u64, mmio32_end: u64) -> Vec<u8> {
 
     let mut dsdt = Sdt::new(*b"DSDT", 36, 2, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     let mut body = Vec::new();
+    s3.to_aml_bytes(&mut body);
     s5.to_aml_bytes(&mut body);
     sb.to_aml_bytes(&mut body);
     dsdt.append_slice(&body);
@@ -518,6 +525,100 @@ pub fn create_acpi_tables<M: GuestMemory + ?Sized>(
     }
     log::debug!("ACPI tables for {cpus} vCPUs in [{start:#x}, {end:#x}), RSDP at {RSDP_ADDR:#x}");
     Ok(RSDP_ADDR)
+}
+
+/// Where the OS asked the platform to resume from S3: the FACS waking vectors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WakingVector {
+    /// `Firmware_Waking_Vector`: real mode, CS = vector >> 4, IP = vector & 0xf.
+    RealMode(u32),
+    /// `X_Firmware_Waking_Vector` with 64BIT_WAKE_F clear: 32-bit flat protected mode,
+    /// paging off, EIP = the vector.
+    Protected32(u32),
+}
+
+/// Why no waking vector could be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WakingVectorError {
+    #[error("the ACPI tables cannot be followed to the FACS: {0}")]
+    Tables(&'static str),
+    #[error("the OS set no waking vector in the FACS at {0:#x}")]
+    NotSet(u64),
+    #[error("the OS asked for a 64-bit waking vector ({0:#x}), which the FACS does not offer")]
+    SixtyFourBit(u64),
+    #[error("the 32-bit protected-mode waking vector {0:#x} is beyond 4 GiB")]
+    Beyond4G(u64),
+}
+
+/// Reads the waking vector the OS wrote into the FACS that the tables from [`RSDP_ADDR`]
+/// point at (RSDP → XSDT → FADT → X_FIRMWARE_CTRL): what the platform jumps to on resume
+/// from S3. A non-zero `X_Firmware_Waking_Vector` takes precedence, as ACPI says.
+pub fn read_waking_vector<M: GuestMemory + ?Sized>(
+    mem: &M,
+) -> Result<WakingVector, WakingVectorError> {
+    let facs = find_facs(mem)?;
+    let vector = read_u32(mem, facs + 12).ok_or(WakingVectorError::Tables("FACS unreadable"))?;
+    let x_vector = read_u64(mem, facs + 24).ok_or(WakingVectorError::Tables("FACS unreadable"))?;
+    let ospm_flags =
+        read_u32(mem, facs + 36).ok_or(WakingVectorError::Tables("FACS unreadable"))?;
+    if x_vector != 0 {
+        if ospm_flags & 1 != 0 {
+            return Err(WakingVectorError::SixtyFourBit(x_vector));
+        }
+        let eip = u32::try_from(x_vector).map_err(|_| WakingVectorError::Beyond4G(x_vector))?;
+        return Ok(WakingVector::Protected32(eip));
+    }
+    if vector == 0 {
+        return Err(WakingVectorError::NotSet(facs));
+    }
+    Ok(WakingVector::RealMode(vector))
+}
+
+fn find_facs<M: GuestMemory + ?Sized>(mem: &M) -> Result<u64, WakingVectorError> {
+    let bad = WakingVectorError::Tables;
+    let mut sig = [0u8; 8];
+    mem.read_slice(&mut sig, GuestAddress(RSDP_ADDR))
+        .map_err(|_| bad("RSDP unreadable"))?;
+    if &sig != b"RSD PTR " {
+        return Err(bad("no RSDP"));
+    }
+    let xsdt = read_u64(mem, RSDP_ADDR + 24).ok_or(bad("RSDP unreadable"))?;
+    let xsdt_len = read_u32(mem, xsdt + 4).ok_or(bad("XSDT unreadable"))?;
+    // Bounded by the table's own length, at most a page of entries.
+    let entries = (u64::from(xsdt_len).saturating_sub(36) / 8).min(512);
+    for i in 0..entries {
+        let table = read_u64(mem, xsdt + 36 + 8 * i).ok_or(bad("XSDT unreadable"))?;
+        if read_u32(mem, table) != Some(u32::from_le_bytes(*b"FACP")) {
+            continue;
+        }
+        let fadt_len = read_u32(mem, table + 4).ok_or(bad("FADT unreadable"))?;
+        // X_FIRMWARE_CTRL (offset 132) exists only in a FADT of revision 2 and later.
+        let x_facs = match fadt_len {
+            140.. => read_u64(mem, table + 132).ok_or(bad("FADT unreadable"))?,
+            _ => 0,
+        };
+        let facs = match x_facs {
+            0 => u64::from(read_u32(mem, table + 36).ok_or(bad("FADT unreadable"))?),
+            x => x,
+        };
+        return match read_u32(mem, facs) {
+            Some(s) if s == u32::from_le_bytes(*b"FACS") => Ok(facs),
+            _ => Err(bad("no FACS where the FADT points")),
+        };
+    }
+    Err(bad("no FADT in the XSDT"))
+}
+
+fn read_u32<M: GuestMemory + ?Sized>(mem: &M, addr: u64) -> Option<u32> {
+    let mut b = [0u8; 4];
+    mem.read_slice(&mut b, GuestAddress(addr)).ok()?;
+    Some(u32::from_le_bytes(b))
+}
+
+fn read_u64<M: GuestMemory + ?Sized>(mem: &M, addr: u64) -> Option<u64> {
+    let mut b = [0u8; 8];
+    mem.read_slice(&mut b, GuestAddress(addr)).ok()?;
+    Some(u64::from_le_bytes(b))
 }
 
 #[cfg(test)]
@@ -724,6 +825,37 @@ mod tests {
     }
 
     #[test]
+    fn waking_vector_follows_the_tables_to_the_facs() {
+        let (mem, t) = build(2);
+        let facs = t.facs_addr;
+        assert_eq!(
+            read_waking_vector(&mem),
+            Err(WakingVectorError::NotSet(facs))
+        );
+        mem.write_obj(0x3_0000u32, GuestAddress(facs + 12)).unwrap();
+        assert_eq!(
+            read_waking_vector(&mem),
+            Ok(WakingVector::RealMode(0x3_0000))
+        );
+        mem.write_obj(0x10_0000u64, GuestAddress(facs + 24))
+            .unwrap();
+        assert_eq!(
+            read_waking_vector(&mem),
+            Ok(WakingVector::Protected32(0x10_0000))
+        );
+        mem.write_obj(1u32, GuestAddress(facs + 36)).unwrap();
+        assert_eq!(
+            read_waking_vector(&mem),
+            Err(WakingVectorError::SixtyFourBit(0x10_0000))
+        );
+        mem.write_obj(0u32, GuestAddress(RSDP_ADDR)).unwrap();
+        assert!(matches!(
+            read_waking_vector(&mem),
+            Err(WakingVectorError::Tables(_))
+        ));
+    }
+
+    #[test]
     fn dsdt_contents() {
         let (_, t) = build(1);
         let d = &t.dsdt;
@@ -732,6 +864,9 @@ mod tests {
         // Name(\_S5_, Package(4) {5, 5, 0, 0})
         let s5 = find(b"\x08\\_S5_\x12").expect("\\_S5_ package");
         assert_eq!(&d[s5 + 6..s5 + 15], &[0x12, 8, 4, 0x0a, 5, 0x0a, 5, 0, 0]);
+        // Name(\_S3_, Package(4) {1, 1, 0, 0})
+        let s3 = find(b"\x08\\_S3_\x12").expect("\\_S3_ package");
+        assert_eq!(&d[s3 + 6..s3 + 13], &[0x12, 6, 4, 1, 1, 0, 0]);
         assert!(find(b"\\_SB_").is_some());
         // Device(COM1) with EISAID("PNP0501") = 0x0105d041 and IO 0x3f8/8, IRQ 4.
         assert!(find(b"\x5b\x82").is_some(), "DeviceOp");

@@ -10,8 +10,10 @@
 //!
 //! The machine has no SMI command port, so it is always in ACPI mode: SCI_EN reads as 1
 //! whatever the guest writes. Writing SLP_EN with SLP_TYP = [`S5_SLP_TYP`] (the value of the
-//! DSDT's `\_S5_` package) powers the machine off through [`ExitRequest`]; other sleep
-//! types are not offered by the DSDT and are ignored. [`AcpiPm::power_button`] presses the
+//! DSDT's `\_S5_` package) powers the machine off through [`ExitRequest`]; SLP_TYP =
+//! [`S3_SLP_TYP`] suspends it to RAM through the [`SleepControl`] the VMM connects (the RTC
+//! alarm, with RTC_EN, the power button or the API wake it: [`AcpiPm::woke`] sets WAK_STS);
+//! other sleep types are not offered by the DSDT and are ignored. [`AcpiPm::power_button`] presses the
 //! fixed-feature power button (PWRBTN_STS, and an SCI when the guest enabled it), which is how
 //! an operator asks a guest to shut down cleanly.
 //!
@@ -49,6 +51,27 @@ pub const PM_TIMER_HZ: u64 = 3_579_545;
 pub const PM_TIMER_MASK: u32 = 0x00ff_ffff;
 /// SLP_TYP of the DSDT's `\_S5_` (soft off).
 pub const S5_SLP_TYP: u16 = 5;
+/// SLP_TYP of the DSDT's `\_S3_` (suspend to RAM).
+pub const S3_SLP_TYP: u16 = 1;
+
+/// What puts the machine to sleep when the guest asks for S3 (the VMM's power control).
+/// Called on the vCPU thread that wrote PM1 control, with the device's lock held: it must
+/// only record the request and make the vCPUs leave the guest, never take this device's
+/// lock.
+pub trait SleepControl: Send + Sync {
+    fn suspend(&self);
+}
+
+/// What woke the machine from S3; each sets its PM1 status bit with WAK_STS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WakeEvent {
+    /// The RTC alarm, with RTC_EN set (RTC_STS).
+    RtcAlarm,
+    /// The fixed power button (PWRBTN_STS).
+    PowerButton,
+    /// The operator's resume through the API (WAK_STS alone).
+    Resume,
+}
 
 /// PM1 status / enable bits.
 pub const TMR_STS: u16 = 1 << 0;
@@ -60,9 +83,9 @@ pub const GBL_STS: u16 = 1 << 5;
 pub const PWRBTN_STS: u16 = 1 << 8;
 /// Sleep button pressed (never set here: the FADT says it is not a fixed feature).
 pub const SLPBTN_STS: u16 = 1 << 9;
-/// RTC alarm (never set here).
+/// RTC alarm (set by [`AcpiPm::rtc_alarm`]).
 pub const RTC_STS: u16 = 1 << 10;
-/// Woken from a sleep state (never set here).
+/// Woken from a sleep state (set by [`AcpiPm::woke`]).
 pub const WAK_STS: u16 = 1 << 15;
 /// Status bits a write of 1 clears.
 const STS_W1C: u16 = TMR_STS | BM_STS | GBL_STS | PWRBTN_STS | SLPBTN_STS | RTC_STS | WAK_STS;
@@ -113,6 +136,7 @@ pub struct AcpiPm {
     clock: Clock,
     exit: Arc<ExitRequest>,
     sci: Arc<dyn IrqLine>,
+    sleep: Option<Arc<dyn SleepControl>>,
 }
 
 impl fmt::Debug for AcpiPm {
@@ -149,6 +173,7 @@ impl AcpiPm {
             clock,
             exit,
             sci: Arc::new(NoIrq),
+            sleep: None,
         };
         // Start counting from 0.
         pm.timer_offset = pm.clock_ticks().wrapping_neg();
@@ -159,6 +184,34 @@ impl AcpiPm {
     pub fn with_sci(mut self, sci: Arc<dyn IrqLine>) -> Self {
         self.sci = sci;
         self
+    }
+
+    /// Lets the guest enter S3 through `sleep` (without it, S3 is refused as unsupported).
+    pub fn with_sleep_control(mut self, sleep: Arc<dyn SleepControl>) -> Self {
+        self.sleep = Some(sleep);
+        self
+    }
+
+    /// The RTC alarm fired (with AIE set): latches RTC_STS, raises the SCI if RTC_EN is set,
+    /// and returns whether RTC_EN allows the alarm to wake a sleeping machine.
+    pub fn rtc_alarm(&mut self) -> bool {
+        let before = self.pending_sci();
+        self.pm1_status |= RTC_STS;
+        self.update_sci(before);
+        self.pm1_enable & RTC_STS != 0
+    }
+
+    /// The machine woke from S3 because of `event`: WAK_STS and the event's status bit.
+    /// The SCI follows the enables as usual once the guest runs.
+    pub fn woke(&mut self, event: WakeEvent) {
+        let before = self.pending_sci();
+        self.pm1_status |= WAK_STS
+            | match event {
+                WakeEvent::RtcAlarm => RTC_STS,
+                WakeEvent::PowerButton => PWRBTN_STS,
+                WakeEvent::Resume => 0,
+            };
+        self.update_sci(before);
     }
 
     /// Moves the block onto `bus` at ports 0x600-0x60b.
@@ -295,6 +348,9 @@ impl AcpiPm {
         if slp_typ == S5_SLP_TYP {
             log::debug!("acpi_pm: guest entered S5 (soft off)");
             self.exit.request(ExitReason::PowerOff);
+        } else if let (S3_SLP_TYP, Some(sleep)) = (slp_typ, &self.sleep) {
+            log::info!("acpi_pm: guest entered S3 (suspend to RAM)");
+            sleep.suspend();
         } else {
             log::warn!("acpi_pm: guest asked for unsupported sleep type {slp_typ}; ignored");
         }
@@ -441,6 +497,7 @@ mod tests {
     #[test]
     fn other_sleep_types_ignored() {
         let f = setup();
+        // S3 (1) too, without a sleep control.
         for t in [0u16, 1, 3, 4, 7] {
             outw(&f.bus, 0x604, (t << SLP_TYP_SHIFT) | SLP_EN);
         }
@@ -452,6 +509,62 @@ mod tests {
         // SCI_EN cannot be cleared.
         outw(&f.bus, 0x604, 0);
         assert_eq!(inw(&f.bus, 0x604), SCI_EN);
+    }
+
+    #[derive(Default)]
+    struct CountingSleep(AtomicUsize);
+    impl SleepControl for CountingSleep {
+        fn suspend(&self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn s3_suspends_through_the_sleep_control() {
+        let f = setup();
+        let sleep = Arc::new(CountingSleep::default());
+        f.dev.lock().unwrap().sleep = Some(sleep.clone());
+        let typ = S3_SLP_TYP << SLP_TYP_SHIFT;
+        outw(&f.bus, 0x604, SCI_EN | typ);
+        assert_eq!(sleep.0.load(Ordering::SeqCst), 0, "SLP_TYP alone");
+        outw(&f.bus, 0x604, SCI_EN | typ | SLP_EN);
+        assert_eq!(sleep.0.load(Ordering::SeqCst), 1);
+        assert!(!f.exit.is_requested(), "S3 is not an exit");
+        // Other types still do nothing; S5 still powers off.
+        outw(&f.bus, 0x604, (3 << SLP_TYP_SHIFT) | SLP_EN);
+        assert_eq!(sleep.0.load(Ordering::SeqCst), 1);
+        outw(&f.bus, 0x604, (S5_SLP_TYP << SLP_TYP_SHIFT) | SLP_EN);
+        assert_eq!(f.exit.reason(), Some(ExitReason::PowerOff));
+    }
+
+    #[test]
+    fn rtc_alarm_and_wake_status() {
+        let f = setup();
+        let mut pm = f.dev.lock().unwrap();
+        // RTC_EN clear: RTC_STS latches, no SCI, no wake-up allowed.
+        assert!(!pm.rtc_alarm());
+        assert_eq!(pm.status() & RTC_STS, RTC_STS);
+        assert_eq!(f.sci.0.load(Ordering::SeqCst), 0);
+        pm.write_byte(PM1_STS + 1, (RTC_STS >> 8) as u8);
+        assert_eq!(pm.status() & RTC_STS, 0, "write 1 to clear");
+        // RTC_EN set: the alarm may wake the machine and raises the SCI.
+        pm.write_byte(PM1_EN + 1, (RTC_STS >> 8) as u8);
+        assert!(pm.rtc_alarm());
+        assert_eq!(f.sci.0.load(Ordering::SeqCst), 1);
+        pm.write_byte(PM1_STS + 1, 0xff);
+        pm.woke(WakeEvent::RtcAlarm);
+        assert_eq!(pm.status() & (WAK_STS | RTC_STS), WAK_STS | RTC_STS);
+        pm.write_byte(PM1_STS + 1, 0xff);
+        pm.woke(WakeEvent::PowerButton);
+        assert_eq!(pm.status() & (WAK_STS | PWRBTN_STS), WAK_STS | PWRBTN_STS);
+        pm.write_byte(PM1_STS + 1, 0xff);
+        pm.woke(WakeEvent::Resume);
+        assert_eq!(pm.status() & !TMR_STS, WAK_STS);
+        // WAK_STS survives a snapshot.
+        let state = pm.state();
+        let mut other = AcpiPm::new(f.exit.clone());
+        other.restore(&state).unwrap();
+        assert_eq!(other.status() & WAK_STS, WAK_STS);
     }
 
     #[test]

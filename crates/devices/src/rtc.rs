@@ -270,7 +270,12 @@ pub struct Rtc {
     line: bool,
     missed: u64,
     waker: Option<Arc<dyn TimerWaker>>,
+    alarm_hook: Option<AlarmHook>,
 }
+
+/// Called, with the RTC's lock held, when the alarm fires with AIE set (the ACPI RTC event
+/// that wakes a sleeping machine). It must not take the RTC's lock.
+pub type AlarmHook = Arc<dyn Fn() + Send + Sync>;
 
 impl std::fmt::Debug for Rtc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -303,6 +308,7 @@ impl Rtc {
             line: false,
             missed: 0,
             waker: None,
+            alarm_hook: None,
         }
     }
 
@@ -317,6 +323,11 @@ impl Rtc {
     /// the interrupt enables.
     pub fn set_waker(&mut self, waker: Arc<dyn TimerWaker>) {
         self.waker = Some(waker);
+    }
+
+    /// Calls `hook` whenever the alarm fires with AIE set.
+    pub fn set_alarm_hook(&mut self, hook: AlarmHook) {
+        self.alarm_hook = Some(hook);
     }
 
     /// Whether the guest has masked NMIs through port 0x70.
@@ -565,6 +576,7 @@ impl Rtc {
         let b = self.reg(REG_B);
         let mut flags = 0u8;
         let mut events = 0u64;
+        let mut alarm = false;
         if let Some(p) = self.period_ticks() {
             let crossed = ticks32(t) / p - ticks32(prev) / p;
             if crossed > 0 {
@@ -583,11 +595,15 @@ impl Rtc {
                 flags |= C_AF;
                 if b & B_AIE != 0 {
                     events += 1;
+                    alarm = true;
                 }
             }
         }
         self.s.cmos[usize::from(REG_C)] |= flags;
         self.update_irq();
+        if let (true, Some(hook)) = (alarm, &self.alarm_hook) {
+            hook();
+        }
         events
     }
 
@@ -971,6 +987,11 @@ mod tests {
         assert_eq!(lines.take(), vec![(8, false)]);
 
         // Alarm at 00:00:01 (after midnight), hours and minutes as given.
+        let hook_calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let calls = hook_calls.clone();
+        rtc.set_alarm_hook(Arc::new(move || {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }));
         wr(&mut rtc, REG_B, B_24H | B_AIE, d);
         wr(&mut rtc, REG_SECONDS_ALARM, 0x01, d);
         wr(&mut rtc, REG_MINUTES_ALARM, 0x00, d);
@@ -981,9 +1002,12 @@ mod tests {
         assert_eq!(rd(&mut rtc, REG_C, d + ms(1000)), C_UF);
         let d2 = rtc.next_irq_deadline().unwrap();
         assert_eq!(d2, d + ms(2000));
+        assert_eq!(hook_calls.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(rtc.on_timer(d2), 1);
         assert_eq!(lines.take(), vec![(8, true)]);
         assert_eq!(rd(&mut rtc, REG_C, d2), C_IRQF | C_AF | C_UF);
+        // The alarm with AIE called the hook once (the ACPI RTC event).
+        assert_eq!(hook_calls.load(std::sync::atomic::Ordering::SeqCst), 1);
 
         // SET clears UIE and stops updates and deadlines.
         wr(&mut rtc, REG_B, B_SET | B_UIE | B_24H, d2);

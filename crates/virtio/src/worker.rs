@@ -470,6 +470,7 @@ where
         let mem = self.mem.clone();
         let mem: &M = &mem;
         let mut pending_signal = 0u32;
+        let mut idle_passes = 0;
         loop {
             let queue = &mut self.queues[slot].queue;
             if let Err(e) = queue.disable_notification(mem) {
@@ -481,8 +482,13 @@ where
             }
             let queue = &mut self.queues[slot].queue;
             let more = queue.enable_notification(mem).unwrap_or(false);
-            // Without progress a bogus available index would make `more` true forever.
-            if !more || served == 0 {
+            // `more` after a pass that served nothing is the normal race with a driver that
+            // published a chain while notifications were off (it saw NO_NOTIFY, so it will not
+            // notify): one more pass serves it. A second idle pass means the chains cannot be
+            // served now (the handler is not ready, or the ring is unreadable), and looping on
+            // would spin.
+            idle_passes = if served == 0 { idle_passes + 1 } else { 0 };
+            if !more || idle_passes >= 2 {
                 break;
             }
         }
@@ -604,6 +610,8 @@ mod tests {
         handled: Arc<Mutex<Vec<(u16, u16)>>>,
         ready_calls: Arc<AtomicU32>,
         open: Arc<AtomicBool>,
+        /// ready() calls still to answer "not ready" before `open` decides.
+        refusals: Arc<AtomicU32>,
         gate: Option<Arc<Mutex<mpsc::Receiver<()>>>>,
         started: Option<mpsc::SyncSender<()>>,
         extra: Vec<Arc<Waker>>,
@@ -615,6 +623,7 @@ mod tests {
                 handled: Arc::default(),
                 ready_calls: Arc::default(),
                 open: Arc::new(AtomicBool::new(true)),
+                refusals: Arc::default(),
                 gate: None,
                 started: None,
                 extra: Vec::new(),
@@ -643,7 +652,11 @@ mod tests {
         }
         fn ready(&mut self, _: u16) -> bool {
             self.ready_calls.fetch_add(1, Ordering::SeqCst);
-            self.open.load(Ordering::SeqCst)
+            let refused = self
+                .refusals
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            !refused && self.open.load(Ordering::SeqCst)
         }
         fn extra_wakers(&self) -> Vec<Arc<Waker>> {
             self.extra.clone()
@@ -797,6 +810,19 @@ mod tests {
         probe.open.store(true, Ordering::SeqCst);
         input.wake().unwrap();
         assert_eq!(driver.wait_used(0, 1).len(), 1);
+    }
+
+    /// A pass that served nothing, followed by chains the driver published while
+    /// notifications were off (so it did not notify): the worker looks once more and serves
+    /// them. The refused ready() stands in for the chain arriving just after the pass looked.
+    #[test]
+    fn chains_published_during_an_idle_pass_are_served_without_a_notification() {
+        let mut driver = TestDriver::new(&[16]);
+        let probe = Probe::new();
+        probe.refusals.store(1, Ordering::SeqCst);
+        let head = one_buffer_chain(&mut driver, 0);
+        let _worker = spawn(&driver, &probe, false);
+        assert_eq!(driver.wait_used(0, 1), vec![(u32::from(head), 7)]);
     }
 
     #[test]

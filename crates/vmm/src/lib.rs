@@ -15,6 +15,7 @@ mod machine;
 pub mod memory;
 mod msi;
 mod platform;
+pub mod power;
 mod restore;
 pub mod runstate;
 mod snapshot;

@@ -6,6 +6,7 @@ use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
+use crate::power::PowerControl;
 use devices::acpi_pm::AcpiPm;
 use devices::bus::{Bus, IoDispatcher};
 use devices::debug_exit::DebugExit;
@@ -210,8 +211,19 @@ impl Machine {
         let exit = Arc::new(ExitRequest::new()?);
         let timer_wake = Arc::new(TimerWake::default());
         let guest_memory = Arc::new(guest_memory);
-        let (pio, mmio, timers, mut platform) =
-            build_buses(config, &exit, &irqchip, &timer_wake, caps.rtc_in_kernel)?;
+        let power = Arc::new(PowerControl::new(
+            config.cpus,
+            config.firmware.is_some(),
+            guest_memory.clone(),
+        ));
+        let (pio, mmio, timers, mut platform) = build_buses(
+            config,
+            &exit,
+            &irqchip,
+            &timer_wake,
+            caps.rtc_in_kernel,
+            &power,
+        )?;
         let piix = match &firmware_memory {
             Some(_) => firmware::add_piix(&platform.pci)?,
             None => Vec::new(),
@@ -255,6 +267,7 @@ impl Machine {
             sample_rip: rip_sample_period().is_some(),
             irqchip: irqchip.clone(),
             control: Arc::new(RunControl::default()),
+            power,
         });
 
         let irqchip_name = match config.irqchip {
@@ -437,6 +450,9 @@ impl Machine {
         self.context
             .control
             .set_kickers(threads.iter().map(|t| t.kicker).collect());
+        self.context
+            .power
+            .set_kickers(threads.iter().map(|t| t.kicker).collect());
         if let (Some(ack), None) = (ack.as_mut(), &start_error) {
             // The guest runs here now: tell the source it may exit.
             if let Err(e) = ack.ack() {
@@ -457,6 +473,7 @@ impl Machine {
             Some(ops),
             initial,
         ));
+        supervisor.set_power(self.context.power.clone());
         let _socket = match self.api.take() {
             Some((listener, info, guard)) if start_error.is_none() => {
                 let mut api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
@@ -686,6 +703,7 @@ fn build_buses(
     chip: &Arc<dyn MachineIrqChip>,
     timer_wake: &Arc<TimerWake>,
     rtc_in_kernel: bool,
+    power: &Arc<PowerControl>,
 ) -> Result<(Bus, Bus, TimerDevices, PlatformDevices)> {
     let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
     let irqchip: &Arc<dyn IrqChip> = &(chip.clone() as Arc<dyn IrqChip>);
@@ -726,8 +744,10 @@ fn build_buses(
     let fw_cfg_handle = fw_cfg.clone();
     let acpi_pm = AcpiPm::new(exit.clone())
         .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
+        .with_sleep_control(power.clone())
         .register(&mut pio)
         .map_err(devices_err)?;
+    power.attach(acpi_pm.clone(), rtc.clone());
     let pci = build_pci(
         config.memory,
         config.firmware.is_some(),

@@ -12,7 +12,7 @@
 use std::net::{Shutdown, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -20,6 +20,7 @@ use serde_json::Value;
 use crate::api::{MachineOps, MigrateRequest};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
+use crate::power::PowerControl;
 
 /// How long a pause may take before the request fails (and the guest keeps running).
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -33,6 +34,9 @@ pub enum RunState {
     /// it: the guest stays paused here, since it must never run twice. Only `resume --force`
     /// (the operator checked the destination) or a shutdown leaves this state.
     MigrationOutcomeUnknown,
+    /// The guest put the machine to sleep (ACPI S3): its vCPUs are stopped until a wake
+    /// event or `resume`. Pausing, snapshots and migration are refused meanwhile.
+    Suspended,
     /// Shutting down: nothing more is accepted.
     Stopping,
 }
@@ -44,6 +48,7 @@ impl RunState {
             RunState::Running => "running",
             RunState::Paused => "paused",
             RunState::MigrationOutcomeUnknown => "migration-outcome-unknown",
+            RunState::Suspended => "suspended",
             RunState::Stopping => "stopping",
         }
     }
@@ -148,6 +153,7 @@ pub struct Supervisor {
     inner: Mutex<Inner>,
     control: Arc<RunControl>,
     ops: Option<Arc<dyn MachineOps>>,
+    power: OnceLock<Arc<PowerControl>>,
 }
 
 /// An operation in progress: ends (and lets the next one in) when dropped.
@@ -186,13 +192,27 @@ impl Supervisor {
             }),
             control,
             ops,
+            power: OnceLock::new(),
         }
+    }
+
+    /// Connects the machine's sleep state: `status` then reports "suspended" while the guest
+    /// sleeps in S3, and `resume` wakes it.
+    pub fn set_power(&self, power: Arc<PowerControl>) {
+        let _ = self.power.set(power);
+    }
+
+    fn suspended(&self) -> bool {
+        self.power.get().is_some_and(|p| p.is_suspended())
     }
 
     /// The state, and the operation in progress if any.
     pub fn status(&self) -> (RunState, Option<Operation>) {
         let inner = lock(&self.inner);
-        (inner.state, inner.busy)
+        match inner.state {
+            RunState::Running if self.suspended() => (RunState::Suspended, inner.busy),
+            state => (state, inner.busy),
+        }
     }
 
     /// Starts `op`, or refuses it when another is in progress or the machine is stopping.
@@ -203,6 +223,13 @@ impl Supervisor {
         }
         if let Some(busy) = inner.busy {
             return Err(conflict(format!("a {} is in progress", busy.name())));
+        }
+        let wakes = matches!(op, Operation::Resume | Operation::Shutdown);
+        if !wakes && self.suspended() {
+            return Err(conflict(
+                "the guest is suspended (ACPI S3): its vCPUs wait for a wake event; \
+                 `resume` wakes it",
+            ));
         }
         inner.busy = Some(op);
         Ok(Busy {
@@ -240,6 +267,12 @@ impl Supervisor {
             RunState::Paused | RunState::MigrationOutcomeUnknown => {
                 self.control.resume();
                 busy.settle(RunState::Running);
+                Ok(RunState::Running)
+            }
+            RunState::Running if self.suspended() => {
+                if let Some(power) = self.power.get() {
+                    power.wake(devices::acpi_pm::WakeEvent::Resume);
+                }
                 Ok(RunState::Running)
             }
             other => Ok(other),

@@ -16,6 +16,7 @@ use hypervisor::{Vcpu, VcpuExit, VcpuKicker};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
 use crate::irqchip::MachineIrqChip;
+use crate::power::PowerControl;
 
 /// What every vCPU thread shares with the rest of the machine.
 pub struct VcpuContext {
@@ -31,6 +32,8 @@ pub struct VcpuContext {
     /// ExtINT), IOAPIC EOI exits go to them.
     pub irqchip: Arc<dyn MachineIrqChip>,
     pub control: Arc<RunControl>,
+    /// ACPI sleep states: a vCPU sleeps there while the machine is in S3.
+    pub power: Arc<PowerControl>,
 }
 
 pub struct VcpuThread {
@@ -96,6 +99,10 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
         }
         if ctx.control.pause_requested() {
             ctx.control.park(&ctx.stop, vcpu);
+            continue;
+        }
+        if ctx.power.suspend_requested() {
+            ctx.power.sleep(vcpu, &ctx.stop)?;
             continue;
         }
         if id == 0 {
