@@ -7,7 +7,8 @@
 //! that, so a guest that never reads cannot grow it), [`BUF_ALLOC`] bytes per connection
 //! and [`MAX_CONNECTIONS`] connections.
 
-use std::collections::{HashMap, VecDeque};
+// BTreeMap, not HashMap: no random seed (getrandom) on the activating vCPU thread.
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, ErrorKind, Read, Write};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixListener;
@@ -96,9 +97,9 @@ impl HostSide {
 pub struct Muxer {
     cid: u64,
     host: Arc<HostSide>,
-    conns: HashMap<ConnKey, Connection>,
-    pending: HashMap<RawFd, PendingClient>,
-    owners: HashMap<RawFd, Owner>,
+    conns: BTreeMap<ConnKey, Connection>,
+    pending: BTreeMap<RawFd, PendingClient>,
+    owners: BTreeMap<RawFd, Owner>,
     /// Connections whose host socket has data, served in turn.
     readable: VecDeque<ConnKey>,
     control: VecDeque<RxPacket>,
@@ -113,13 +114,13 @@ pub struct Muxer {
 
 impl Muxer {
     pub fn new(cid: u64, host: Arc<HostSide>, reset_event: bool) -> io::Result<Muxer> {
-        let mut owners = HashMap::new();
+        let mut owners = BTreeMap::new();
         owners.insert(host.listener.as_raw_fd(), Owner::Listener);
         Ok(Muxer {
             cid,
             host,
-            conns: HashMap::new(),
-            pending: HashMap::new(),
+            conns: BTreeMap::new(),
+            pending: BTreeMap::new(),
             owners,
             readable: VecDeque::new(),
             control: VecDeque::new(),
