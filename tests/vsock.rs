@@ -303,3 +303,187 @@ fn bad_vsock_options_are_refused() {
     .expect_error("another process listens");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A ferrovm process with its serial output in a file and an API socket.
+struct Vm {
+    child: Child,
+    serial: PathBuf,
+    api: PathBuf,
+}
+
+impl Vm {
+    fn start(args: &[&str], dir: &Path, name: &str) -> Vm {
+        let serial = dir.join(format!("{name}.serial"));
+        let api = dir.join(format!("{name}.api"));
+        let child = Command::new(FERROVM)
+            .arg("run")
+            .args(args)
+            .arg("--serial")
+            .arg(format!("file:{}", serial.display()))
+            .arg("--api-socket")
+            .arg(&api)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start ferrovm");
+        Vm { child, serial, api }
+    }
+
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+
+    fn wait_for(&mut self, needle: &str, limit: Duration) {
+        let start = Instant::now();
+        while !self.output().contains(needle) {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "ferrovm ended ({status}) before {needle:?}:\n{}",
+                    self.output()
+                );
+            }
+            assert!(
+                start.elapsed() < limit,
+                "no {needle:?} within {limit:?}:\n{}",
+                self.output()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn ctl(&self, args: &[&str]) -> Run {
+        let api = self.api.to_str().unwrap();
+        ferrovm(
+            &[&["ctl", "--api-socket", api][..], args].concat(),
+            Duration::from_secs(60),
+        )
+    }
+
+    /// Waits for the process to end: its status and stderr.
+    fn finish(mut self, limit: Duration) -> (Option<i32>, String) {
+        let status = wait_child(&mut self.child, limit);
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            let _ = pipe.read_to_string(&mut stderr);
+        }
+        (status, stderr)
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A guest with an open connection is snapshotted and restored (on another socket path):
+/// the restored device sends TRANSPORT_RESET, the guest finds its old connection gone and
+/// then connects both ways afresh; the source's host-side socket was closed at its end.
+#[test]
+fn connections_are_reset_across_a_snapshot() {
+    require_kvm();
+    let dir = scratch("snapshot");
+    let kernel = guest("vsock-echo");
+    let bytes = 256u64 << 10;
+    let cmdline = format!("reset=1 bytes={bytes}");
+    let source_socket = dir.join("a.sock");
+    let listener = UnixListener::bind(port_path(&source_socket, HOST_PORT)).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let source_server = echo_server(listener, stop.clone());
+    let vsock = vsock_arg(&source_socket);
+    let mut source = Vm::start(
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--vsock",
+            &vsock,
+            "--cmdline",
+            &cmdline,
+        ],
+        &dir,
+        "source",
+    );
+    source.wait_for("waiting for a transport reset", Duration::from_secs(60));
+    let snap = dir.join("vm.snap");
+    source
+        .ctl(&["snapshot", snap.to_str().unwrap()])
+        .expect_status(0);
+    source.ctl(&["shutdown"]).expect_status(0);
+    source.finish(Duration::from_secs(30));
+    stop.store(true, Ordering::SeqCst);
+    // The echo server's one connection ended when the source went: 4 KiB echoed.
+    assert_eq!(source_server.join().unwrap(), [4096]);
+
+    let socket = dir.join("b.sock");
+    let host = HostSide::start(&socket, bytes);
+    let vsock = vsock_arg(&socket);
+    let restored = Vm::start(
+        &["--restore", snap.to_str().unwrap(), "--vsock", &vsock],
+        &dir,
+        "restored",
+    );
+    let serial = restored.serial.clone();
+    let (status, stderr) = restored.finish(Duration::from_secs(120));
+    let output = std::fs::read_to_string(serial).unwrap_or_default();
+    assert_eq!(status, Some(1), "{output}\n{stderr}");
+    for needle in [
+        "vsock-echo: transport reset seen (1), old connection gone, cid 3",
+        &format!("vsock-echo: guest->host port {HOST_PORT}: {bytes} bytes echoed intact"),
+        &format!("vsock-echo: host->guest port {GUEST_PORT}: {bytes} bytes echoed back"),
+        "PASS",
+    ] {
+        assert!(output.contains(needle), "no {needle:?} in:\n{output}");
+    }
+    let (echoed, checked) = host.finish();
+    assert_eq!((echoed, checked), (vec![bytes], bytes));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A snapshot of a guest with cid 3 does not restore onto a device of another cid.
+#[test]
+fn a_snapshot_restores_only_with_its_cid() {
+    require_kvm();
+    let dir = scratch("cid");
+    let kernel = guest("vsock-echo");
+    let socket = dir.join("a.sock");
+    let listener = UnixListener::bind(port_path(&socket, HOST_PORT)).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = echo_server(listener, stop.clone());
+    let vsock = vsock_arg(&socket);
+    let mut source = Vm::start(
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--vsock",
+            &vsock,
+            "--cmdline",
+            "reset=1",
+        ],
+        &dir,
+        "source",
+    );
+    source.wait_for("waiting for a transport reset", Duration::from_secs(60));
+    let snap = dir.join("vm.snap");
+    source
+        .ctl(&["snapshot", snap.to_str().unwrap()])
+        .expect_status(0);
+    drop(source);
+    stop.store(true, Ordering::SeqCst);
+    server.join().unwrap();
+    let other = format!("cid=4,socket={}", dir.join("b.sock").display());
+    ferrovm(
+        &[
+            "run",
+            "--restore",
+            snap.to_str().unwrap(),
+            "--vsock",
+            &other,
+        ],
+        Duration::from_secs(60),
+    )
+    .expect_status(2)
+    .expect_error("cid 3");
+    let _ = std::fs::remove_dir_all(&dir);
+}
