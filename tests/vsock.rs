@@ -487,3 +487,80 @@ fn a_snapshot_restores_only_with_its_cid() {
     .expect_error("cid 3");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Accepts connections on `listener` and hands each to `serve` on a thread of its own,
+/// until `stop`.
+fn serve_each(
+    listener: UnixListener,
+    stop: Arc<AtomicBool>,
+    serve: fn(UnixStream),
+) -> JoinHandle<usize> {
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let mut count = 0;
+        while !stop.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    stream.set_nonblocking(false).unwrap();
+                    count += 1;
+                    std::thread::spawn(move || serve(stream));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        count
+    })
+}
+
+/// Bad packets, a guest that ignores the credit and one that never reads: the VMM answers
+/// as the protocol says, bounds what it buffers, and a good connection works afterwards.
+#[test]
+fn hostile_guest_packets_are_survived() {
+    require_kvm();
+    let dir = scratch("hostile");
+    let socket = dir.join("v.sock");
+    let stop = Arc::new(AtomicBool::new(false));
+    let echo = echo_server(
+        UnixListener::bind(port_path(&socket, HOST_PORT)).unwrap(),
+        stop.clone(),
+    );
+    // Never reads: holds the stream until the VMM closes it.
+    let sink = serve_each(
+        UnixListener::bind(port_path(&socket, 1235)).unwrap(),
+        stop.clone(),
+        |mut stream| {
+            let _ = stream.read(&mut [0u8; 1]);
+        },
+    );
+    let flood = serve_each(
+        UnixListener::bind(port_path(&socket, 1236)).unwrap(),
+        stop.clone(),
+        |mut stream| {
+            let _ = stream.write_all(&vec![0x42u8; 1 << 20]);
+        },
+    );
+    let kernel = guest("vsock-hostile");
+    let vsock = vsock_arg(&socket);
+    let run = ferrovm(
+        &[
+            "run",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--vsock",
+            &vsock,
+        ],
+        Duration::from_secs(120),
+    );
+    stop.store(true, Ordering::SeqCst);
+    run.expect_status(1)
+        .expect_stdout("vsock-hostile: malformed packets dropped: 0 RST(s) so far")
+        .expect_stdout("vsock-hostile: bad type, unknown op, stray data, closed port: 4 RST(s)")
+        .expect_stdout("vsock-hostile: reset after")
+        .expect_stdout("vsock-hostile: a guest that never reads holds exactly its 64 KiB window")
+        .expect_stdout("vsock-hostile: then a good connection echoed 262144 bytes intact");
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+    assert_eq!(echo.join().unwrap(), [256 << 10]);
+    assert_eq!(sink.join().unwrap(), 1);
+    assert_eq!(flood.join().unwrap(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
