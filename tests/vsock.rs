@@ -564,3 +564,40 @@ fn hostile_guest_packets_are_survived() {
     assert_eq!(flood.join().unwrap(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The `virtio-drivers` crate's socket driver (VsockConnectionManager over its PCI
+/// transport) against the device, both ways, with more data than its 16 KiB window.
+#[test]
+fn virtio_drivers_socket_both_ways() {
+    require_kvm();
+    let dir = scratch("virtio-drivers");
+    let socket = dir.join("v.sock");
+    let bytes = 64u64 << 10;
+    let host = HostSide::start(&socket, bytes);
+    let kernel = guest("virtio-drivers-vsock");
+    let vsock = vsock_arg(&socket);
+    let cmdline = format!("bytes={bytes}");
+    let run = ferrovm(
+        &[
+            "run",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--vsock",
+            &vsock,
+            "--cmdline",
+            &cmdline,
+        ],
+        Duration::from_secs(120),
+    );
+    run.expect_status(1)
+        .expect_stdout("vd-vsock: virtio-vsock at 00:01.0, guest cid 3")
+        .expect_stdout(&format!(
+            "vd-vsock: guest->host port {HOST_PORT}: {bytes} bytes echoed intact"
+        ))
+        .expect_stdout(&format!(
+            "vd-vsock: host->guest port {GUEST_PORT}: {bytes} bytes echoed back"
+        ));
+    let (echoed, checked) = host.finish();
+    assert_eq!((echoed, checked), (vec![bytes], bytes));
+    let _ = std::fs::remove_dir_all(&dir);
+}
