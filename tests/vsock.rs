@@ -601,3 +601,59 @@ fn virtio_drivers_socket_both_ways() {
     assert_eq!((echoed, checked), (vec![bytes], bytes));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// As across a snapshot, across a live migration: the destination's device resets the
+/// transport, the guest connects afresh there; the source's connection ends with it.
+#[test]
+fn connections_are_reset_across_a_migration() {
+    require_kvm();
+    let dir = scratch("migration");
+    let kernel = guest("vsock-echo");
+    let bytes = 128u64 << 10;
+    let cmdline = format!("reset=1 bytes={bytes}");
+    let source_socket = dir.join("a.sock");
+    let listener = UnixListener::bind(port_path(&source_socket, HOST_PORT)).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let source_server = echo_server(listener, stop.clone());
+    let socket = dir.join("b.sock");
+    let host = HostSide::start(&socket, bytes);
+    let listen = format!("tcp:127.0.0.1:{}", free_port());
+    let vsock = vsock_arg(&socket);
+    let dest = Vm::start(&["--incoming", &listen, "--vsock", &vsock], &dir, "dest");
+    let vsock = vsock_arg(&source_socket);
+    let mut source = Vm::start(
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--vsock",
+            &vsock,
+            "--cmdline",
+            &cmdline,
+        ],
+        &dir,
+        "source",
+    );
+    source.wait_for("waiting for a transport reset", Duration::from_secs(60));
+    source.ctl(&["migrate", &listen]).expect_status(0);
+    let (status, stderr) = source.finish(Duration::from_secs(30));
+    assert_eq!(status, Some(0), "{stderr}");
+    stop.store(true, Ordering::SeqCst);
+    assert_eq!(source_server.join().unwrap(), [4096]);
+    let serial = dest.serial.clone();
+    let (status, stderr) = dest.finish(Duration::from_secs(120));
+    let output = std::fs::read_to_string(serial).unwrap_or_default();
+    assert_eq!(status, Some(1), "{output}\n{stderr}");
+    assert!(
+        output.contains("vsock-echo: transport reset seen (1), old connection gone"),
+        "{output}"
+    );
+    assert!(output.contains("PASS"), "{output}");
+    let (echoed, checked) = host.finish();
+    assert_eq!((echoed, checked), (vec![bytes], bytes));
+    let _ = std::fs::remove_dir_all(&dir);
+}
