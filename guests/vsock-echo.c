@@ -15,6 +15,11 @@
  * snapshot restored, a migration); the old connection must be gone; then 1
  * and 2 run on the restored machine.  Receive completion by MSI-X unless
  * `irq=0`.
+ *
+ * With `bench=1` the guest only streams `bytes=` to host port `port=` (the
+ * host end reads and discards) and reports the throughput once the device
+ * has forwarded every byte to the host socket (its fwd_cnt, asked for with
+ * CREDIT_REQUEST, equals what was sent).
  */
 #include "kit.h"
 
@@ -143,6 +148,38 @@ static void wait_for_reset(u32 port, u64 wait_s)
 	       vs.transport_resets, vs.cid);
 }
 
+/* Streams `total` bytes to the host; prints the rate. */
+static void bench(u32 port, u64 total)
+{
+	struct vsock_conn *c = vsock_connect(&vs, port, 5000000);
+	if (!c)
+		fail("vsock-echo: host port %u refused or did not answer", port);
+	fill(out, 0, CHUNK, 0x11);
+	u64 t0 = rdtsc(), sent = 0;
+	struct timeout t;
+	timeout_start(&t, 120000000);
+	while (sent < total || c->peer_fwd_cnt != c->tx_cnt) {
+		if (timeout_expired(&t) || c->state != VSOCK_ESTABLISHED)
+			fail("vsock-echo: bench stalled at %lu of %lu bytes", sent, total);
+		if (sent < total) {
+			u32 n = total - sent < CHUNK ? (u32)(total - sent) : CHUNK;
+			u32 s = vsock_send(&vs, c, out, n);
+			sent += s;
+			if (s) {
+				vsock_poll(&vs);
+				continue;
+			}
+		} else {
+			vsock_send_ctl(&vs, c, VSOCK_OP_CREDIT_REQUEST, 0);
+		}
+		vsock_wait(&vs, 1000);
+	}
+	u64 us = (rdtsc() - t0) * 1000000 / tsc_hz();
+	printf("vsock-echo: bench: %lu bytes guest->host in %lu us: %lu MiB/s\n", total, us,
+	       us ? total * 1000000 / us >> 20 : 0);
+	vsock_close(&vs, c, 5000000);
+}
+
 static u64 work(u64 arg)
 {
 	(void)arg;
@@ -151,6 +188,10 @@ static u64 work(u64 arg)
 	u64 bytes = cmdline_uint("bytes", 1 << 20);
 	if (!vsock_open(&vs, cmdline_uint("irq", 1), VECTOR))
 		fail("vsock-echo: no usable virtio-vsock device");
+	if (cmdline_uint("bench", 0)) {
+		bench(port, bytes);
+		return 0;
+	}
 	if (cmdline_uint("reset", 0))
 		wait_for_reset(port, cmdline_uint("wait_s", 120));
 	u64 t0 = rdtsc();

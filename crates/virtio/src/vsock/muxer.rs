@@ -3,7 +3,7 @@
 //! goes into the event queue after a restore.
 //!
 //! Everything a guest can make the device hold is bounded: one staged receive packet, at
-//! most [`MAX_CONTROL`] queued control packets (the transmit queue is not served beyond
+//! most [`MAX_CONTROL`] queued control packets besides the staged one (the transmit queue is not served beyond
 //! that, so a guest that never reads cannot grow it), [`BUF_ALLOC`] bytes per connection
 //! and [`MAX_CONNECTIONS`] connections.
 
@@ -106,6 +106,9 @@ pub struct Muxer {
     staged: Option<RxPacket>,
     /// A TRANSPORT_RESET waits for an event buffer.
     reset_event: bool,
+    /// The transmit queue was left unserved because replies filled up: serve it again
+    /// (the guest will not notify again for chains it already queued) once they drain.
+    tx_throttled: bool,
     /// Woken when the receive queue has something new, so the worker serves it.
     rx_kick: Arc<Waker>,
     next_local_port: u32,
@@ -126,6 +129,7 @@ impl Muxer {
             control: VecDeque::new(),
             staged: None,
             reset_event,
+            tx_throttled: false,
             rx_kick: Arc::new(Waker::new()?),
             next_local_port: FIRST_LOCAL_PORT,
             scratch: Vec::new(),
@@ -580,6 +584,10 @@ impl Muxer {
         if staged.sent < staged.payload.len() {
             self.staged = Some(staged);
         }
+        if self.tx_throttled && self.control.len() < MAX_CONTROL {
+            self.tx_throttled = false;
+            self.kick_rx(); // the worker then serves every queue, transmit included
+        }
         (PACKET_HEADER_SIZE + n) as u32
     }
 
@@ -618,7 +626,10 @@ impl<M: GuestMemory> QueueHandler<M> for Muxer {
         match queue {
             RX_QUEUE => self.stage(),
             // Replies wait for receive buffers: a guest that gives none stops being served.
-            TX_QUEUE => self.control.len() < MAX_CONTROL,
+            TX_QUEUE => {
+                self.tx_throttled = self.control.len() >= MAX_CONTROL;
+                !self.tx_throttled
+            }
             EVENT_QUEUE => self.reset_event,
             _ => false,
         }
