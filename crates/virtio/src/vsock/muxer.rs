@@ -306,7 +306,9 @@ impl Muxer {
             conn.host_readable = true;
             self.readable.push_back(key);
         }
-        if events.contains(EventSet::OUT) {
+        // A hung-up or failed socket is flushed too: the write fails and resets the
+        // connection, rather than the event firing again and again.
+        if events.intersects(EventSet::OUT | EventSet::HANG_UP | EventSet::ERROR) {
             self.flush(key);
         }
         self.update_interest(key);
