@@ -109,6 +109,9 @@ pub struct Muxer {
     /// The transmit queue was left unserved because replies filled up: serve it again
     /// (the guest will not notify again for chains it already queued) once they drain.
     tx_throttled: bool,
+    /// accept(2) failed (out of descriptors): the listener left the epoll set, or it would
+    /// be reported readable again at once; it is back when a connection closes.
+    listener_paused: bool,
     /// Woken when the receive queue has something new, so the worker serves it.
     rx_kick: Arc<Waker>,
     next_local_port: u32,
@@ -130,6 +133,7 @@ impl Muxer {
             staged: None,
             reset_event,
             tx_throttled: false,
+            listener_paused: false,
             rx_kick: Arc::new(Waker::new()?),
             next_local_port: FIRST_LOCAL_PORT,
             scratch: Vec::new(),
@@ -165,6 +169,7 @@ impl Muxer {
             }
         }
         self.readable.retain(|k| *k != key);
+        self.pause_listener(false);
     }
 
     /// Registers for what the connection can act on now: input while the guest has credit
@@ -237,6 +242,27 @@ impl Muxer {
         }
     }
 
+    /// Takes the listener out of the epoll set (`pause`) or puts it back.
+    fn pause_listener(&mut self, pause: bool) {
+        if self.listener_paused == pause {
+            return;
+        }
+        let fd = self.host.listener.as_raw_fd();
+        let (op, events) = if pause {
+            (ControlOperation::Delete, EventSet::empty())
+        } else {
+            (ControlOperation::Add, EventSet::IN)
+        };
+        match self
+            .host
+            .epoll
+            .ctl(op, fd, EpollEvent::new(events, fd as u64))
+        {
+            Ok(()) => self.listener_paused = pause,
+            Err(e) => log::warn!("virtio-vsock: epoll on the listener: {e}"),
+        }
+    }
+
     fn read_client_line(&mut self, fd: RawFd) {
         let Some(client) = self.pending.get_mut(&fd) else {
             return;
@@ -253,6 +279,7 @@ impl Muxer {
             .host
             .epoll
             .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+        self.pause_listener(false);
         if let LineStatus::Connect(port) = status {
             self.connect_to_guest(client, port);
         }
@@ -684,5 +711,7 @@ impl Drop for Muxer {
                 .epoll
                 .ctl(ControlOperation::Delete, *fd, EpollEvent::default());
         }
+        // The next activation's muxer expects it in the set.
+        self.pause_listener(false);
     }
 }
