@@ -93,7 +93,7 @@ impl Drop for Vsock {
     /// The socket file goes with the device (if it is still ours).
     fn drop(&mut self) {
         self.workers.stop();
-        let _ = std::fs::remove_file(&self.host.socket);
+        self.host.remove_socket_file();
     }
 }
 

@@ -72,6 +72,8 @@ pub struct HostSide {
     pub socket: PathBuf,
     pub listener: UnixListener,
     pub epoll: Epoll,
+    /// The socket file's (device, inode), to remove it at the end only if still ours.
+    file_id: Option<(u64, u64)>,
 }
 
 impl HostSide {
@@ -86,11 +88,26 @@ impl HostSide {
             EpollEvent::new(EventSet::IN, fd as u64),
         )?;
         Ok(HostSide {
+            file_id: file_id(&socket),
             socket,
             listener,
             epoll,
         })
     }
+
+    /// Removes the socket file if it is still the one bound here.
+    pub fn remove_socket_file(&self) {
+        if self.file_id.is_some() && file_id(&self.socket) == self.file_id {
+            let _ = std::fs::remove_file(&self.socket);
+        }
+    }
+}
+
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// The queue handler; see the module documentation.
