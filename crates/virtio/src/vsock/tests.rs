@@ -253,3 +253,42 @@ fn a_fresh_device_sends_no_reset_event() {
     rig.driver.kick(EVENT);
     rig.driver.assert_no_used(EVENT, Duration::from_millis(100));
 }
+
+/// A host client's `CONNECT port`: the guest gets a REQUEST from a fresh host port; its
+/// RESPONSE makes the device answer `OK <port>`, an RST closes the client's socket, and a
+/// malformed line is closed without a word to the guest.
+#[test]
+fn host_clients_connect_with_a_connect_line() {
+    use std::os::unix::net::UnixStream;
+    let mut rig = Rig::new("connect", false);
+    let socket = rig.dir.join("v.sock");
+    let rx = rig.give_rx(4, 4096);
+
+    let mut accepted = UnixStream::connect(&socket).unwrap();
+    accepted.write_all(b"CONNECT 5000\n").unwrap();
+    rig.driver.wait_used(RX, 1);
+    let (op, host_port, guest_port, ..) = parse_rx(&rig.driver, rx[0]);
+    assert_eq!((op, guest_port), (OP_REQUEST, 5000));
+    rig.send(&Hdr::new(5000, host_port, OP_RESPONSE), &[]);
+    let mut line = [0u8; 16];
+    let n = accepted.read(&mut line).unwrap();
+    assert_eq!(&line[..n], format!("OK {host_port}\n").as_bytes());
+
+    let mut refused = UnixStream::connect(&socket).unwrap();
+    refused.write_all(b"CONNECT 6000\n").unwrap();
+    rig.driver.wait_used(RX, 1);
+    let (op, other_port, guest_port, ..) = parse_rx(&rig.driver, rx[1]);
+    assert_eq!((op, guest_port), (OP_REQUEST, 6000));
+    assert_ne!(other_port, host_port);
+    rig.send(&Hdr::new(6000, other_port, OP_RST), &[]);
+    refused
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(refused.read(&mut line).unwrap(), 0, "closed on RST");
+
+    let mut bad = UnixStream::connect(&socket).unwrap();
+    bad.write_all(b"HELLO 1\n").unwrap();
+    bad.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(bad.read(&mut line).unwrap(), 0, "closed on a bad line");
+    rig.driver.assert_no_used(RX, Duration::from_millis(100));
+}
