@@ -347,6 +347,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn vsock_options_parse_and_refuse_reserved_cids() {
+        let ok = parse_vsock("cid=3,socket=/tmp/v.sock").unwrap();
+        assert_eq!(ok.cid, 3);
+        assert_eq!(ok.socket, PathBuf::from("/tmp/v.sock"));
+        let swapped = parse_vsock("socket=/s,cid=4294967294").unwrap();
+        assert_eq!(swapped.cid, u64::from(u32::MAX) - 1);
+        for (text, why) in [
+            ("cid=2,socket=/s", "reserved"),
+            ("cid=4294967295,socket=/s", "reserved"),
+            ("cid=,socket=/s", "not a number"),
+            ("cid=3", "expected cid=N,socket=PATH"),
+            ("socket=/s", "expected cid=N,socket=PATH"),
+            ("cid=3,socket=", "unknown or empty"),
+            ("cid=3,socket=/s,port=1", "unknown or empty"),
+        ] {
+            let err = parse_vsock(text).unwrap_err().to_string();
+            assert!(err.contains(why), "{text}: {err}");
+        }
+    }
+
+    #[test]
     fn memory_sizes() {
         assert_eq!(parse_memory_size("256").unwrap(), 256 * MIB);
         assert_eq!(parse_memory_size("256M").unwrap(), 256 * MIB);
