@@ -50,6 +50,8 @@ pub struct Connection {
     pub host_write_shut: bool,
     /// The epoll events registered for the socket (empty: not registered).
     pub registered: u32,
+    /// Connecting: when the host client gives up waiting for the guest.
+    pub connect_deadline: Option<std::time::Instant>,
 }
 
 impl Connection {
@@ -68,6 +70,7 @@ impl Connection {
             guest_shutdown: 0,
             host_write_shut: false,
             registered: 0,
+            connect_deadline: None,
         }
     }
 

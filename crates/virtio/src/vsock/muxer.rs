@@ -13,13 +13,15 @@ use std::io::{self, ErrorKind, Read, Write};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use devices::exit::Waker;
 use virtio_queue::DescriptorChain;
 use virtio_vsock::packet::VsockPacket;
 use vm_memory::{Bytes, GuestMemory};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::timerfd::TimerFd;
 
 use super::connection::{ConnKey, ConnState, Connection, BUF_ALLOC};
 use super::host::{self, LineStatus, PendingClient};
@@ -34,6 +36,9 @@ pub const MAX_CONNECTIONS: usize = 256;
 pub const MAX_PENDING_CLIENTS: usize = 64;
 /// Largest payload of one packet either way (Linux's VIRTIO_VSOCK_MAX_PKT_BUF_SIZE).
 pub const MAX_PAYLOAD: u32 = 64 << 10;
+/// How long a host client's CONNECT waits for the guest to accept (Firecracker's figure):
+/// then the guest gets an RST and the client's socket is closed.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Host ports handed to host-initiated connections start here.
 const FIRST_LOCAL_PORT: u32 = 1 << 30;
 
@@ -63,6 +68,7 @@ impl RxPacket {
 #[derive(Clone, Copy)]
 enum Owner {
     Listener,
+    Timer,
     Pending,
     Conn(ConnKey),
 }
@@ -72,6 +78,9 @@ pub struct HostSide {
     pub socket: PathBuf,
     pub listener: UnixListener,
     pub epoll: Epoll,
+    /// Fires at the earliest CONNECT deadline (made here: timerfd_create is not a call of
+    /// the device threads).
+    pub timer: Mutex<TimerFd>,
     /// The socket file's (device, inode), to remove it at the end only if still ours.
     file_id: Option<(u64, u64)>,
 }
@@ -81,18 +90,29 @@ impl HostSide {
     pub fn new(socket: PathBuf) -> io::Result<HostSide> {
         let listener = host::bind_listener(&socket)?;
         let epoll = Epoll::new()?;
-        let fd = listener.as_raw_fd();
-        epoll.ctl(
-            ControlOperation::Add,
-            fd,
-            EpollEvent::new(EventSet::IN, fd as u64),
-        )?;
+        let timer = TimerFd::new().map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+        set_nonblocking(timer.as_raw_fd())?;
+        for fd in [listener.as_raw_fd(), timer.as_raw_fd()] {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, fd as u64),
+            )?;
+        }
         Ok(HostSide {
+            timer: Mutex::new(timer),
             file_id: file_id(&socket),
             socket,
             listener,
             epoll,
         })
+    }
+
+    fn timer_fd(&self) -> RawFd {
+        self.timer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_raw_fd()
     }
 
     /// Removes the socket file if it is still the one bound here.
@@ -101,6 +121,18 @@ impl HostSide {
             let _ = std::fs::remove_file(&self.socket);
         }
     }
+}
+
+/// O_NONBLOCK on `fd`: the timer may be re-armed between epoll's report and its read,
+/// which must then fail rather than wait for the new expiry.
+fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: F_GETFL and F_SETFL on a descriptor this process owns touch no memory.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
@@ -139,6 +171,7 @@ impl Muxer {
     pub fn new(cid: u64, host: Arc<HostSide>, reset_event: bool) -> io::Result<Muxer> {
         let mut owners = BTreeMap::new();
         owners.insert(host.listener.as_raw_fd(), Owner::Listener);
+        owners.insert(host.timer_fd(), Owner::Timer);
         Ok(Muxer {
             cid,
             host,
@@ -315,10 +348,57 @@ impl Muxer {
             peer_port,
         };
         let fd = client.stream.as_raw_fd();
-        self.conns
-            .insert(key, Connection::new(client.stream, ConnState::Connecting));
+        let mut conn = Connection::new(client.stream, ConnState::Connecting);
+        conn.connect_deadline = Some(Instant::now() + CONNECT_TIMEOUT);
+        self.conns.insert(key, conn);
         self.owners.insert(fd, Owner::Conn(key));
         self.push_control(key, OP_REQUEST, 0);
+        self.arm_timer();
+    }
+
+    /// Sets the timer to the earliest CONNECT deadline (a spurious expiry is harmless).
+    fn arm_timer(&self) {
+        let Some(earliest) = self
+            .conns
+            .values()
+            .filter(|c| c.state == ConnState::Connecting)
+            .filter_map(|c| c.connect_deadline)
+            .min()
+        else {
+            return;
+        };
+        let wait = earliest
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        let mut timer = self.host.timer.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = timer.reset(wait, None) {
+            log::warn!("virtio-vsock: cannot arm the CONNECT timer: {e}");
+        }
+    }
+
+    /// The timer fired: host clients the guest did not answer in time are turned away.
+    fn expire_connects(&mut self) {
+        {
+            let mut timer = self.host.timer.lock().unwrap_or_else(|e| e.into_inner());
+            // Clears the expiry; non-blocking (an error if it was re-armed meanwhile).
+            let _ = timer.wait();
+        }
+        let now = Instant::now();
+        let late: Vec<ConnKey> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.state == ConnState::Connecting)
+            .filter(|(_, c)| c.connect_deadline.is_some_and(|d| d <= now))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in late {
+            log::debug!(
+                "virtio-vsock: the guest did not accept port {}",
+                key.peer_port
+            );
+            self.reset(key);
+        }
+        self.arm_timer();
     }
 
     fn free_local_port(&mut self, peer_port: u32) -> Option<u32> {
@@ -702,6 +782,7 @@ impl<M: GuestMemory> QueueHandler<M> for Muxer {
             let fd = event.fd();
             match self.owners.get(&fd).copied() {
                 Some(Owner::Listener) => self.accept_clients(),
+                Some(Owner::Timer) => self.expire_connects(),
                 Some(Owner::Pending) => self.read_client_line(fd),
                 Some(Owner::Conn(key)) => self.connection_event(key, event.event_set()),
                 None => {

@@ -292,3 +292,26 @@ fn host_clients_connect_with_a_connect_line() {
     assert_eq!(bad.read(&mut line).unwrap(), 0, "closed on a bad line");
     rig.driver.assert_no_used(RX, Duration::from_millis(100));
 }
+
+/// A guest that never answers a host client's REQUEST: after CONNECT_TIMEOUT the client's
+/// socket is closed and the guest gets an RST.
+#[test]
+fn an_unanswered_connect_times_out() {
+    use std::os::unix::net::UnixStream;
+    let mut rig = Rig::new("timeout", false);
+    let rx = rig.give_rx(2, 4096);
+    let mut client = UnixStream::connect(rig.dir.join("v.sock")).unwrap();
+    client.write_all(b"CONNECT 7000\n").unwrap();
+    rig.driver.wait_used(RX, 1);
+    let (op, host_port, ..) = parse_rx(&rig.driver, rx[0]);
+    assert_eq!(op, OP_REQUEST);
+    let start = std::time::Instant::now();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(client.read(&mut [0u8; 8]).unwrap(), 0);
+    assert!(start.elapsed() >= muxer::CONNECT_TIMEOUT - Duration::from_millis(100));
+    rig.driver.wait_used(RX, 1);
+    let (op, src, dst, ..) = parse_rx(&rig.driver, rx[1]);
+    assert_eq!((op, src, dst), (OP_RST, host_port, 7000));
+}
