@@ -75,14 +75,15 @@ static void malformed(void)
 	expect_rsts(4, "bad type, unknown op, stray data, closed port");
 }
 
-/* Sends 1 MiB ignoring credit to a host end that never reads. */
+/* Sends up to 8 MiB ignoring credit to a host end that never reads: far more
+ * than any socket buffer and the window together. */
 static void ignore_credit(void)
 {
 	struct vsock_conn *c = vsock_connect(&vs, SINK_PORT, 5000000);
 	if (!c)
 		fail("vsock-hostile: host port %u refused", SINK_PORT);
 	u32 sent = 0;
-	while (sent < (1u << 20) && c->state == VSOCK_ESTABLISHED) {
+	while (sent < (8u << 20) && c->state == VSOCK_ESTABLISHED) {
 		struct vsock_hdr h = { vs.cid, VSOCK_HOST_CID, c->local_port, c->peer_port,
 				       VSOCK_PKT_PAYLOAD, VSOCK_TYPE_STREAM, VSOCK_OP_RW, 0,
 				       VSOCK_BUF_ALLOC, c->fwd_cnt };
