@@ -50,6 +50,8 @@ pub struct Connection {
     pub host_write_shut: bool,
     /// The epoll events registered for the socket (empty: not registered).
     pub registered: u32,
+    /// A CREDIT_UPDATE for this connection waits in the control queue.
+    pub credit_update_queued: bool,
     /// Connecting: when the host client gives up waiting for the guest.
     pub connect_deadline: Option<std::time::Instant>,
 }
@@ -70,6 +72,7 @@ impl Connection {
             guest_shutdown: 0,
             host_write_shut: false,
             registered: 0,
+            credit_update_queued: false,
             connect_deadline: None,
         }
     }

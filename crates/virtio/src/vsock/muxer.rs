@@ -201,6 +201,17 @@ impl Muxer {
         self.kick_rx();
     }
 
+    /// Queues a CREDIT_UPDATE unless one for the connection is queued already: a host
+    /// socket taking guest bytes one at a time cannot grow the queue.
+    fn push_credit_update(&mut self, key: ConnKey) {
+        let Some(conn) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if !std::mem::replace(&mut conn.credit_update_queued, true) {
+            self.push_control(key, OP_CREDIT_UPDATE, 0);
+        }
+    }
+
     /// Drops a connection (its host socket closes) and tells the guest.
     fn reset(&mut self, key: ConnKey) {
         self.remove(key);
@@ -448,7 +459,7 @@ impl Muxer {
             return;
         }
         if conn.credit_update_due() {
-            self.push_control(key, OP_CREDIT_UPDATE, 0);
+            self.push_credit_update(key);
         }
         self.finish_shutdown(key);
     }
@@ -506,7 +517,7 @@ impl Muxer {
             OP_RESPONSE => self.guest_accepted(key),
             OP_RW => self.guest_data(key, packet),
             OP_CREDIT_UPDATE => {}
-            OP_CREDIT_REQUEST => self.push_control(key, OP_CREDIT_UPDATE, 0),
+            OP_CREDIT_REQUEST => self.push_credit_update(key),
             OP_SHUTDOWN => self.guest_shutdown(key, packet.flags()),
             OP_RST => self.remove(key),
             _ => self.reset(key),
@@ -581,7 +592,7 @@ impl Muxer {
             return;
         }
         if conn.credit_update_due() {
-            self.push_control(key, OP_CREDIT_UPDATE, 0);
+            self.push_credit_update(key);
         }
     }
 
@@ -692,6 +703,9 @@ impl Muxer {
         let (buf_alloc, fwd_cnt) = match self.conns.get_mut(&staged.key) {
             Some(conn) => {
                 conn.reported_fwd_cnt = conn.fwd_cnt;
+                if staged.op == OP_CREDIT_UPDATE {
+                    conn.credit_update_queued = false;
+                }
                 (BUF_ALLOC, conn.fwd_cnt)
             }
             None => (0, 0),
