@@ -840,6 +840,89 @@ struct blk_dev {
  * success; false with a message on failure.  Call again after a reset. */
 bool blk_start(struct blk_dev *b, u64 wanted, unsigned nq, u16 qsize, bool irq,
 	       const u32 *apic_ids, u8 vector);
+/* ---- virtio-vsock (lib/vsock.c): stream sockets, ring-3 driver ---- */
+#define VIRTIO_ID_VSOCK		19
+#define VSOCK_HOST_CID		2
+#define VSOCK_TYPE_STREAM	1
+#define VSOCK_OP_REQUEST	1
+#define VSOCK_OP_RESPONSE	2
+#define VSOCK_OP_RST		3
+#define VSOCK_OP_SHUTDOWN	4
+#define VSOCK_OP_RW		5
+#define VSOCK_OP_CREDIT_UPDATE	6
+#define VSOCK_OP_CREDIT_REQUEST	7
+#define VSOCK_SHUTDOWN_BOTH	3
+#define VSOCK_EVENT_TRANSPORT_RESET 0
+#define VSOCK_BUF_ALLOC		(64u << 10)	/* the guest's receive window per connection */
+#define VSOCK_PKT_PAYLOAD	4096		/* payload per packet, both ways */
+#define VSOCK_MAX_CONNS		4
+#define VSOCK_RX_BUFS		64
+#define VSOCK_TX_SLOTS		64
+
+struct vsock_hdr {
+	u64 src_cid, dst_cid;
+	u32 src_port, dst_port, len;
+	u16 type, op;
+	u32 flags, buf_alloc, fwd_cnt;
+} __attribute__((packed));
+
+enum vsock_state { VSOCK_FREE, VSOCK_CONNECTING, VSOCK_ESTABLISHED, VSOCK_CLOSED };
+
+struct vsock_conn {
+	enum vsock_state state;
+	u32 local_port, peer_port;
+	u32 peer_buf_alloc, peer_fwd_cnt, tx_cnt;	/* our sending credit */
+	u32 fwd_cnt, reported_fwd_cnt;			/* what we consumed */
+	u8 *rxbuf;					/* VSOCK_BUF_ALLOC ring */
+	u32 rx_head, rx_len;
+	bool peer_shutdown, was_reset, pending_accept;
+};
+
+struct vsock {
+	struct virtio_dev vd;
+	struct virtq *rx, *tx, *ev;
+	u64 cid;
+	u8 *tx_slots;
+	u16 tx_free[VSOCK_TX_SLOTS], tx_nfree;
+	struct vsock_conn conns[VSOCK_MAX_CONNS];
+	u32 listen_port;			/* 0: not listening */
+	u32 next_port;
+	u32 transport_resets;			/* TRANSPORT_RESET events seen */
+	u32 rsts_unmatched;			/* RSTs for no connection of ours */
+	u64 rx_packets, tx_packets;
+};
+
+/* Finds and starts the first virtio-vsock function (rx buffers and event
+ * buffers posted).  irq: MSI-X completion for the receive queue (entry 1,
+ * vector `vector`).  false and a message on failure. */
+bool vsock_open(struct vsock *vs, bool irq, u8 vector);
+/* Handles everything the device returned; refills buffers.  Returns whether
+ * anything happened. */
+bool vsock_poll(struct vsock *vs);
+/* vsock_poll, and if nothing happened waits (up to `us`) for the receive
+ * queue. */
+void vsock_wait(struct vsock *vs, u64 us);
+/* Connects to host port `port`; NULL if refused (RST) or timed out. */
+struct vsock_conn *vsock_connect(struct vsock *vs, u32 port, u64 timeout_us);
+/* Accepts the next REQUEST for `port` (answers others with RST). */
+struct vsock_conn *vsock_accept(struct vsock *vs, u32 port, u64 timeout_us);
+/* Sends what the peer's credit allows of buf (non-blocking); bytes sent. */
+u32 vsock_send(struct vsock *vs, struct vsock_conn *c, const void *buf, u32 len);
+/* Takes received bytes (non-blocking); bytes taken.  Tells the device about
+ * consumed bytes once a quarter of the window is free again. */
+u32 vsock_recv(struct vsock *vs, struct vsock_conn *c, void *buf, u32 len);
+/* SHUTDOWN of both directions, then waits (bounded) for the RST; frees c. */
+void vsock_close(struct vsock *vs, struct vsock_conn *c, u64 timeout_us);
+/* Queues one raw packet (header as given, payload of hdr->len bytes unless
+ * `payload_len` differs): for hostile tests.  false if the ring is full. */
+bool vsock_send_raw(struct vsock *vs, const struct vsock_hdr *h, const void *payload,
+		    u32 payload_len);
+/* Queues a chain built by hand (hostile tests); a transmit slot is its
+ * token.  false if the ring is full. */
+bool vsock_send_chain(struct vsock *vs, const struct vbuf *bufs, unsigned n_out, unsigned n_in);
+/* Sends a control packet for c (credit fields filled in). */
+bool vsock_send_ctl(struct vsock *vs, struct vsock_conn *c, u16 op, u32 flags);
+
 /* ---- end of DMA, ACPI, PCI, MSI-X, virtio ---- */
 /* ==================================================================== */
 

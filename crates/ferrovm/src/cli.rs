@@ -8,8 +8,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
 use vmm::config::{
-    parse_boot_order, parse_console, parse_disk, parse_memory_size, parse_serial, IrqChipKind,
-    ShapeGiven, StartFrom, VmConfig, DEFAULT_FIRMWARE,
+    parse_boot_order, parse_console, parse_disk, parse_memory_size, parse_serial, parse_vsock,
+    IrqChipKind, ShapeGiven, StartFrom, VmConfig, DEFAULT_FIRMWARE,
 };
 
 #[derive(Parser, Debug)]
@@ -102,6 +102,11 @@ pub struct RunArgs {
     /// Add a virtio-rng device fed by the host's getrandom.
     #[arg(long)]
     pub rng: bool,
+    /// A virtio-vsock device: guest context id N (3 or more) and the Unix socket host
+    /// processes connect to (`CONNECT port`); guest connections to host port P go to
+    /// `PATH_P` (Firecracker's convention). Linux only.
+    #[arg(long, value_name = "cid=N,socket=PATH")]
+    pub vsock: Option<String>,
     /// Network device on a tap interface.
     #[arg(long, value_name = "tap=NAME")]
     pub net: Option<String>,
@@ -204,6 +209,7 @@ impl RunArgs {
             config.console = parse_console(console)?;
         }
         config.rng = self.rng;
+        config.vsock = self.vsock.as_deref().map(parse_vsock).transpose()?;
         config.seccomp = match self.seccomp {
             Some(SeccompArg::Off) => sandbox::Mode::Off,
             Some(SeccompArg::Log) => sandbox::Mode::Log,

@@ -133,6 +133,28 @@ pub fn enter(role: Role) -> Result<(), Error> {
 }
 
 /// A thread whose filter cannot be installed must not run unfiltered: the VMM stops.
+/// glibc reads /proc/sys/vm/overcommit_memory (openat) the first time any thread's malloc
+/// arena gives memory back to the kernel (shrink_heap), and never again. A device thread
+/// that frees a few hundred KiB would make that call under its filter; so the first new
+/// thread does it here, where the launcher's filter still allows openat.
+fn settle_malloc() {
+    static SETTLED: std::sync::Once = std::sync::Once::new();
+    SETTLED.call_once(|| {
+        // Below the mmap threshold each, together far above the trim threshold: freed,
+        // they leave a top chunk this thread's arena trims.
+        let blocks: Vec<Box<[u8]>> = (0..64)
+            .map(|i| vec![i as u8; 16 << 10].into_boxed_slice())
+            .collect();
+        std::hint::black_box(&blocks);
+        drop(blocks);
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim only releases free memory of the allocator's arenas.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    });
+}
+
 fn enter_or_exit(role: Role, name: &str) {
     let Some(sandbox) = SANDBOX.get() else {
         return;
@@ -174,6 +196,7 @@ where
     let name = name.into();
     let label = name.clone();
     let run = move || {
+        settle_malloc();
         let prepared = setup();
         enter_or_exit(role, &label);
         body(prepared)

@@ -22,6 +22,8 @@ pub mod console;
 pub mod rng;
 #[cfg(all(test, target_os = "linux"))]
 mod test_driver;
+#[cfg(target_os = "linux")]
+pub mod vsock;
 pub mod worker;
 
 pub use transport::{IoEventError, IoEventRegistrar, VirtioInterrupt, VirtioPciDevice};

@@ -54,6 +54,17 @@ pub trait QueueHandler<M: GuestMemory>: Send + 'static {
     fn extra_wakers(&self) -> Vec<Arc<Waker>> {
         Vec::new()
     }
+
+    /// Descriptors besides the wakers (an epoll set of host sockets) polled for readability;
+    /// when one is ready the worker calls [`QueueHandler::extra_ready`], then re-checks every
+    /// queue. Asked once, at spawn.
+    fn extra_fds(&self) -> Vec<RawFd> {
+        Vec::new()
+    }
+
+    /// One of [`QueueHandler::extra_fds`] is readable: consume what made it so (the
+    /// descriptor must not stay readable, or the worker spins).
+    fn extra_ready(&mut self) {}
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,6 +198,7 @@ impl Worker {
             queues,
             interrupt: config.interrupt,
             extra: handler.extra_wakers(),
+            extra_fds: handler.extra_fds(),
             handler,
         };
         let thread = sandbox::spawn(sandbox::Role::DeviceIo, name.clone(), move || {
@@ -364,6 +376,8 @@ struct WorkerThread<M, H> {
     queues: Vec<ActiveQueue>,
     interrupt: Arc<dyn Interrupt>,
     extra: Vec<Arc<Waker>>,
+    /// The handler's own descriptors, polled after the extra wakers.
+    extra_fds: Vec<RawFd>,
     handler: H,
     /// Queues the driver broke (see [`Interrupt::needs_reset`]): not served until reset.
     halted: Vec<bool>,
@@ -404,6 +418,7 @@ where
         let fds: Vec<RawFd> = std::iter::once(self.control.waker.poll_fd())
             .chain(self.queues.iter().map(|q| q.notify.poll_fd()))
             .chain(self.extra.iter().map(|w| w.poll_fd()))
+            .chain(self.extra_fds.iter().copied())
             .collect();
         poll_readable(&fds)
     }
@@ -425,6 +440,11 @@ where
                 waker.drain();
                 extra_fired = true;
             }
+        }
+        let fds_at = 1 + queue_count + self.extra.len();
+        if ready.iter().skip(fds_at).any(|&r| r) {
+            self.handler.extra_ready();
+            extra_fired = true;
         }
         if extra_fired {
             self.serve_all();

@@ -113,6 +113,8 @@ pub struct VmConfig {
     pub console: ConsoleConfig,
     /// `--rng`: a virtio-rng device fed by the host's getrandom.
     pub rng: bool,
+    /// `--vsock`: a virtio-vsock device.
+    pub vsock: Option<VsockConfig>,
     /// `--restore-eager`: copy a snapshot's pages into guest RAM before the guest runs,
     /// instead of mapping the file.
     pub restore_eager: bool,
@@ -150,6 +152,7 @@ impl VmConfig {
             disks: Vec::new(),
             console: ConsoleConfig::Serial,
             rng: false,
+            vsock: None,
             firmware: None,
             boot_order: Vec::new(),
         }
@@ -267,6 +270,49 @@ pub fn parse_disk(text: &str) -> Result<DiskConfig> {
     Ok(disk)
 }
 
+/// `--vsock cid=N,socket=PATH`: the guest's context id and the Unix socket host processes
+/// connect to (guest connections to host port P go to `PATH_P`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VsockConfig {
+    pub cid: u64,
+    pub socket: PathBuf,
+}
+
+/// The smallest guest context id (0-2 are reserved; 2 is the host).
+pub const MIN_VSOCK_CID: u64 = 3;
+
+/// Parses `--vsock cid=N,socket=PATH`.
+pub fn parse_vsock(text: &str) -> Result<VsockConfig> {
+    let bad = |reason: String| Error::Option {
+        option: "--vsock",
+        value: text.to_string(),
+        reason,
+    };
+    let (mut cid, mut socket) = (None, None);
+    for part in text.split(',') {
+        match part.split_once('=') {
+            Some(("cid", n)) => {
+                let n: u64 = n
+                    .parse()
+                    .map_err(|_| bad(format!("cid {n:?} is not a number")))?;
+                if !(MIN_VSOCK_CID..u64::from(u32::MAX)).contains(&n) {
+                    return Err(bad(format!(
+                        "cid {n} is reserved or too large (3 to {})",
+                        u32::MAX - 1
+                    )));
+                }
+                cid = Some(n);
+            }
+            Some(("socket", path)) if !path.is_empty() => socket = Some(PathBuf::from(path)),
+            _ => return Err(bad(format!("unknown or empty part {part:?}"))),
+        }
+    }
+    match (cid, socket) {
+        (Some(cid), Some(socket)) => Ok(VsockConfig { cid, socket }),
+        _ => Err(bad("expected cid=N,socket=PATH".into())),
+    }
+}
+
 /// Parses `--console`.
 pub fn parse_console(text: &str) -> Result<ConsoleConfig> {
     match text {
@@ -299,6 +345,27 @@ pub fn parse_serial(text: &str) -> Result<SerialOutput> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vsock_options_parse_and_refuse_reserved_cids() {
+        let ok = parse_vsock("cid=3,socket=/tmp/v.sock").unwrap();
+        assert_eq!(ok.cid, 3);
+        assert_eq!(ok.socket, PathBuf::from("/tmp/v.sock"));
+        let swapped = parse_vsock("socket=/s,cid=4294967294").unwrap();
+        assert_eq!(swapped.cid, u64::from(u32::MAX) - 1);
+        for (text, why) in [
+            ("cid=2,socket=/s", "reserved"),
+            ("cid=4294967295,socket=/s", "reserved"),
+            ("cid=,socket=/s", "not a number"),
+            ("cid=3", "expected cid=N,socket=PATH"),
+            ("socket=/s", "expected cid=N,socket=PATH"),
+            ("cid=3,socket=", "unknown or empty"),
+            ("cid=3,socket=/s,port=1", "unknown or empty"),
+        ] {
+            let err = parse_vsock(text).unwrap_err().to_string();
+            assert!(err.contains(why), "{text}: {err}");
+        }
+    }
 
     #[test]
     fn memory_sizes() {

@@ -127,6 +127,9 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
     if config.rng {
         models.push(("virtio-rng", Box::new(Rng::new())));
     }
+    if let Some(vsock) = &config.vsock {
+        models.push(("virtio-vsock", open_vsock(vsock)?));
+    }
     let mut functions = Vec::new();
     for (kind, model) in models {
         functions.push(plug(ctx, kind, model, gsis.clone(), ioevents.clone())?);
@@ -201,6 +204,27 @@ fn open_disk(disk: &DiskConfig, defer_lock: bool) -> Result<Block> {
         option: "--disk",
         value: disk.path.display().to_string(),
         reason: e.what,
+    })
+}
+
+/// `--vsock`: the device and its listening socket.
+#[cfg(target_os = "linux")]
+fn open_vsock(vsock: &crate::config::VsockConfig) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
+    let device =
+        virtio::vsock::Vsock::new(vsock.cid, vsock.socket.clone()).map_err(|e| Error::Option {
+            option: "--vsock",
+            value: format!("cid={},socket={}", vsock.cid, vsock.socket.display()),
+            reason: e.to_string(),
+        })?;
+    Ok(Box::new(device))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_vsock(_vsock: &crate::config::VsockConfig) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
+    Err(Error::Option {
+        option: "--vsock",
+        value: String::new(),
+        reason: "virtio-vsock is supported on Linux only".into(),
     })
 }
 

@@ -127,3 +127,21 @@ pub fn install_logger() {
         log::set_max_level(log::LevelFilter::Warn);
     }
 }
+
+/// The heap of the `alloc` crate (the vsock driver's connection lists and buffers): chunks
+/// of the kit's pool, handed out in order and never given back (a test guest's lifetime).
+struct KitHeap;
+
+// SAFETY: every block comes from `dma_alloc`, which returns fresh, unshared, suitably
+// aligned memory (or fails the guest); nothing is ever handed out twice.
+unsafe impl core::alloc::GlobalAlloc for KitHeap {
+    unsafe fn alloc(&self, layout: core::alloc::Layout) -> *mut u8 {
+        // SAFETY: the kit's allocator takes any size and a power-of-two alignment.
+        unsafe { dma_alloc(layout.size().max(1), layout.align().max(16)) }
+    }
+
+    unsafe fn dealloc(&self, _ptr: *mut u8, _layout: core::alloc::Layout) {}
+}
+
+#[global_allocator]
+static HEAP: KitHeap = KitHeap;

@@ -9,6 +9,7 @@
 #![no_std]
 
 mod kit;
+mod vsock;
 
 use core::ffi::{c_char, CStr};
 use core::fmt::Write;
