@@ -54,6 +54,13 @@ pub trait QueueHandler<M: GuestMemory>: Send + 'static {
     fn extra_wakers(&self) -> Vec<Arc<Waker>> {
         Vec::new()
     }
+
+    /// Descriptors besides the wakers (a tap's) whose readability makes the worker re-check
+    /// every queue; asked before every wait, so a handler leaves out an input it cannot take
+    /// yet (no receive buffers) instead of making the worker spin on it.
+    fn poll_fds(&mut self) -> Vec<RawFd> {
+        Vec::new()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -400,10 +407,12 @@ where
     }
 
     /// Blocks in poll(2); returns the readiness of [control, queues..., extra...].
-    fn wait_events(&self) -> io::Result<Vec<bool>> {
+    fn wait_events(&mut self) -> io::Result<Vec<bool>> {
+        let handler_fds = self.handler.poll_fds();
         let fds: Vec<RawFd> = std::iter::once(self.control.waker.poll_fd())
             .chain(self.queues.iter().map(|q| q.notify.poll_fd()))
             .chain(self.extra.iter().map(|w| w.poll_fd()))
+            .chain(handler_fds)
             .collect();
         poll_readable(&fds)
     }
@@ -426,6 +435,9 @@ where
                 extra_fired = true;
             }
         }
+        // The handler's own descriptors follow; it drains them itself.
+        let handler_first = 1 + queue_count + self.extra.len();
+        extra_fired |= ready.iter().skip(handler_first).any(|&r| r);
         if extra_fired {
             self.serve_all();
         }
@@ -470,6 +482,9 @@ where
         let mem = self.mem.clone();
         let mem: &M = &mem;
         let mut pending_signal = 0u32;
+        // Chains the driver published between the last look and the notification being
+        // enabled are looked for again, a bounded number of times when nothing was served.
+        let mut idle_rechecks = 2;
         loop {
             let queue = &mut self.queues[slot].queue;
             if let Err(e) = queue.disable_notification(mem) {
@@ -479,11 +494,16 @@ where
             if self.control.yield_now.load(Ordering::SeqCst) {
                 break;
             }
+            let index = self.queues[slot].index;
             let queue = &mut self.queues[slot].queue;
             let more = queue.enable_notification(mem).unwrap_or(false);
-            // Without progress a bogus available index would make `more` true forever.
-            if !more || served == 0 {
+            // Without progress a bogus available index would make `more` true forever; a
+            // handler not ready for the chains waits for its input instead.
+            if !more || (served == 0 && (idle_rechecks == 0 || !self.handler.ready(index))) {
                 break;
+            }
+            if served == 0 {
+                idle_rechecks -= 1;
             }
         }
         self.signal(slot, mem, &mut pending_signal);
