@@ -374,3 +374,26 @@ u32 parse_ip(const char *s, size_t len)
 	}
 	return parts == 4 ? ip : 0;
 }
+
+bool net_udp_echo(struct net_dev *n, unsigned p, u32 my_ip, u32 peer_ip, const u8 *peer_mac,
+		  u16 sport, u16 port, const void *payload, u32 len, u64 timeout_us)
+{
+	static u8 f[NET_BUF_LEN], buf[NET_BUF_LEN];
+	u32 flen = udp_frame(f, n->mac, peer_mac, my_ip, peer_ip, sport, port, payload, len);
+	if (!net_send(n, p, f, flen))
+		return false;
+	u64 deadline = net_deadline(timeout_us);
+	while (!net_expired(deadline)) {
+		int got = net_recv(n, p, buf, 10000);
+		struct rx_frame rx;
+		if (got <= 0 || !parse_frame(buf, (u32)got, &rx))
+			continue;
+		if (net_answer_arp(n, p, &rx, my_ip))
+			continue;
+		if (rx.type == ETH_P_IP && rx.proto == IPPROTO_UDP && rx.sip == peer_ip &&
+		    rx.sport == port && rx.dport == sport && rx.payload_len == len &&
+		    memcmp(rx.payload, payload, len) == 0)
+			return true;
+	}
+	return false;
+}

@@ -109,6 +109,11 @@ bool net_answer_arp(struct net_dev *n, unsigned p, const struct rx_frame *rx, u3
 /* ARP for `ip` from `my_ip` on pair p until a reply (retries each 200 ms);
  * the peer's MAC into mac.  false on timeout. */
 bool net_resolve(struct net_dev *n, unsigned p, u32 my_ip, u32 ip, u8 *mac, u64 timeout_us);
+/* Sends `payload` to peer_ip:port from my_ip:sport on pair p and waits for
+ * the same bytes back from that port (answering ARP meanwhile); true if
+ * they came back intact within timeout_us. */
+bool net_udp_echo(struct net_dev *n, unsigned p, u32 my_ip, u32 peer_ip, const u8 *peer_mac,
+		  u16 sport, u16 port, const void *payload, u32 len, u64 timeout_us);
 /* A time budget on the TSC (tsc_hz() must have been called at CPL 0). */
 u64 net_deadline(u64 us);
 bool net_expired(u64 deadline);

@@ -23,7 +23,7 @@ pub mod tap;
 mod tests;
 
 use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use devices::exit::Waker;
 use devices::{DeviceState, LifecycleError, StateError};
@@ -67,13 +67,26 @@ pub struct Shared {
     pub taps: Vec<Arc<Tap>>,
     /// One per pair: woken when the pair is attached or detached.
     pub steering_wakers: Vec<Arc<Waker>>,
+    /// Serialises changes of the attached queues (the control queue's thread and pair 0's).
+    steering: Mutex<()>,
 }
 
 impl Shared {
     /// Uses the first `pairs` queue pairs: attaches their tap queues, detaches the others
     /// and wakes every pair's thread to look at its tap again.
     pub fn set_active_pairs(&self, pairs: u16) {
+        let _serial = self.steering.lock().unwrap_or_else(|e| e.into_inner());
         self.active_pairs.store(pairs, Ordering::SeqCst);
+        self.apply_steering(pairs);
+    }
+
+    /// Re-applies the current pair count to the tap queues (after an activation).
+    pub fn refresh_steering(&self) {
+        let _serial = self.steering.lock().unwrap_or_else(|e| e.into_inner());
+        self.apply_steering(self.active_pairs.load(Ordering::SeqCst));
+    }
+
+    fn apply_steering(&self, pairs: u16) {
         if self.taps.len() > 1 {
             for (k, tap) in self.taps.iter().enumerate() {
                 if let Err(e) = tap.set_attached(k < usize::from(pairs)) {
@@ -129,6 +142,7 @@ impl Net {
             counters: Counters::default(),
             taps,
             steering_wakers,
+            steering: Mutex::new(()),
         });
         Ok(Net {
             options: NetOptions {

@@ -87,8 +87,7 @@ impl PairHandler {
             if let Err(e) = self.tap.set_offloads(flags) {
                 log::warn!("virtio-net: {}: {e}", self.tap.name());
             }
-            let pairs = self.shared.active_pairs.load(Ordering::SeqCst);
-            self.shared.set_active_pairs(pairs);
+            self.shared.refresh_steering();
         }
     }
 

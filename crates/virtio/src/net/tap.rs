@@ -11,6 +11,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Length of the header in front of every frame: `virtio_net_hdr_v1`, which virtio 1.x
 /// drivers use whether or not they negotiate VIRTIO_NET_F_MRG_RXBUF.
@@ -59,6 +60,8 @@ impl IfReq {
 pub struct Tap {
     file: File,
     name: String,
+    /// Whether the queue is attached (TUNSETQUEUE refuses to attach it twice).
+    attached: AtomicBool,
 }
 
 impl Tap {
@@ -93,6 +96,7 @@ impl Tap {
         Ok(Tap {
             file,
             name: name.to_string(),
+            attached: AtomicBool::new(true),
         })
     }
 
@@ -137,6 +141,9 @@ impl Tap {
     /// Attaches this queue to the interface or detaches it (TUNSETQUEUE): the kernel only
     /// steers frames to attached queues.
     pub fn set_attached(&self, attached: bool) -> io::Result<()> {
+        if self.attached.load(Ordering::SeqCst) == attached {
+            return Ok(());
+        }
         let flag = if attached {
             libc::IFF_ATTACH_QUEUE
         } else {
@@ -145,7 +152,9 @@ impl Tap {
         let mut req = IfReq::new(&self.name, flag)?;
         // SAFETY: TUNSETQUEUE reads a `struct ifreq`, which `req` lays out and outlives the call.
         let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), libc::TUNSETQUEUE, &mut req) };
-        check(rc, "TUNSETQUEUE")
+        check(rc, "TUNSETQUEUE")?;
+        self.attached.store(attached, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Reads one frame (header first); `WouldBlock` when none is waiting.

@@ -1,0 +1,141 @@
+/*
+ * net-stress: many UDP frames in flight on `pairs=` (default 2) virtio-net
+ * queue pairs against a host peer that echoes them (see net-echo.c for the
+ * addresses and `port=`).  `count=` frames (default 4000) of 64 to 1400
+ * bytes, `window=` (default 32) per pair unanswered at a time; each payload
+ * carries its sequence number, its pair and a pattern derived from both,
+ * checked on return.  Frame k goes out on pair k % pairs from its own UDP
+ * source port, and answers are taken from every receive queue.  A stall
+ * (nothing new for 500 ms) sends every outstanding frame again, counted;
+ * more than 20 stalls fail.  Duplicates (answers to resent frames) are
+ * counted and otherwise ignored.  Prints frames per pair and the rate.
+ */
+#include "net.h"
+
+#define MAX_COUNT 65536
+
+static struct net_dev net;
+static u8 frame[NET_BUF_LEN], rxbuf[NET_BUF_LEN];
+static u8 received[MAX_COUNT / 8];
+static u32 my_ip, peer_ip;
+static u8 peer_mac[6];
+static u16 port;
+static unsigned pairs;
+
+static bool got(u32 seq) { return received[seq / 8] >> (seq % 8) & 1; }
+
+static u32 payload_len(u32 seq) { return 64 + (seq * 37) % 1337; }
+
+static void fill(u8 *p, u32 seq)
+{
+	u32 len = payload_len(seq);
+	memcpy(p, &seq, 4);
+	p[4] = (u8)(seq % pairs);
+	for (u32 i = 5; i < len; i++)
+		p[i] = (u8)(seq ^ (i * 13));
+}
+
+static void send_seq(u32 seq)
+{
+	static u8 payload[1500];
+	fill(payload, seq);
+	unsigned p = seq % pairs;
+	u32 flen = udp_frame(frame, net.mac, peer_mac, my_ip, peer_ip, (u16)(42000 + p), port,
+			     payload, payload_len(seq));
+	if (!net_send(&net, p, frame, flen))
+		fail("pair %u: transmit queue stuck", p);
+}
+
+/* One frame from any receive queue; returns the sequence number it
+ * answers, or -1. */
+static s64 receive_one(unsigned p, u32 count, u64 *dups)
+{
+	static u8 want[1500];
+	int len = net_recv(&net, p, rxbuf, 0);
+	struct rx_frame rx;
+	if (len <= 0 || !parse_frame(rxbuf, (u32)len, &rx))
+		return -1;
+	if (net_answer_arp(&net, p, &rx, my_ip))
+		return -1;
+	if (rx.type != ETH_P_IP || rx.proto != IPPROTO_UDP || rx.sport != port || rx.payload_len < 5)
+		return -1;
+	u32 seq;
+	memcpy(&seq, rx.payload, 4);
+	if (seq >= count)
+		fail("an echo names frame %u of %u", seq, count);
+	fill(want, seq);
+	if (rx.payload_len != payload_len(seq) || memcmp(want, rx.payload, rx.payload_len) != 0)
+		fail("echo of frame %u corrupted (%u bytes)", seq, rx.payload_len);
+	if (got(seq)) {
+		(*dups)++;
+		return -1;
+	}
+	received[seq / 8] |= (u8)(1 << (seq % 8));
+	return seq;
+}
+
+static u64 work(u64 arg)
+{
+	(void)arg;
+	size_t len;
+	const char *v = cmdline_arg("ip", &len);
+	my_ip = v ? parse_ip(v, len) : parse_ip("10.0.2.15", 9);
+	v = cmdline_arg("peer", &len);
+	peer_ip = v ? parse_ip(v, len) : parse_ip("10.0.2.2", 8);
+	port = (u16)cmdline_uint("port", 7777);
+	u32 count = (u32)cmdline_uint("count", 4000), window = (u32)cmdline_uint("window", 32);
+	if (count > MAX_COUNT)
+		fail("count=%u: at most %u", count, MAX_COUNT);
+	if (!virtio_open(&net.vd, VIRTIO_ID_NET, 0))
+		fail("no virtio-net device");
+	if (!net_start(&net, 0, (unsigned)cmdline_uint("pairs", 2), 256))
+		fail("virtio-net did not start");
+	pairs = net.pairs;
+	printf("net-stress: %u queue pairs\n", pairs);
+	if (!net_resolve(&net, 0, my_ip, peer_ip, peer_mac, 10000000))
+		fail("no ARP reply from the peer");
+	u32 sent = 0, done = 0, stalls = 0;
+	u64 dups = 0, resent = 0, start = rdtsc();
+	u64 stall_at = net_deadline(500000);
+	while (done < count) {
+		while (sent < count && sent - done < window * pairs)
+			send_seq(sent++);
+		bool progress = false;
+		for (unsigned p = 0; p < pairs; p++)
+			while (receive_one(p, count, &dups) >= 0) {
+				done++;
+				progress = true;
+			}
+		if (progress) {
+			stall_at = net_deadline(500000);
+			continue;
+		}
+		if (!net_expired(stall_at))
+			continue;
+		if (++stalls > 20)
+			fail("stalled: %u of %u echoes after %u resends", done, count, stalls - 1);
+		for (u32 seq = 0; seq < sent; seq++)
+			if (!got(seq)) {
+				send_seq(seq);
+				resent++;
+			}
+		stall_at = net_deadline(500000);
+	}
+	u64 us = (rdtsc() - start) / (tsc_hz() / 1000000);
+	for (unsigned p = 0; p < pairs; p++)
+		printf("net-stress: pair %u: tx %lu rx %lu\n", p, net.pair[p].tx_frames,
+		       net.pair[p].rx_frames);
+	printf("net-stress: %u echoes intact in %lu us, %lu resent, %lu duplicates, %u stalls\n",
+	       count, us, resent, dups, stalls);
+	static const char hello[] = "after the stress";
+	if (!net_udp_echo(&net, 0, my_ip, peer_ip, peer_mac, 43000, port, hello, sizeof(hello), 2000000))
+		fail("a last echo did not come back");
+	return 0;
+}
+
+void guest_main(void)
+{
+	tsc_hz();
+	enter_ring3_irq(work, 0, false);
+	pass();
+}
