@@ -4,7 +4,7 @@
  * addresses and `port=`).  `count=` frames (default 4000) of 64 to 1400
  * bytes, `window=` (default 32) per pair unanswered at a time; each payload
  * carries its sequence number, its pair and a pattern derived from both,
- * checked on return.  Frame k goes out on pair k % pairs from its own UDP
+ * checked on return (`size=` makes every payload that long).  Frame k goes out on pair k % pairs from its own UDP
  * source port, and answers are taken from every receive queue.  A stall
  * (nothing new for 500 ms) sends every outstanding frame again, counted;
  * more than 20 stalls fail.  Duplicates (answers to resent frames) are
@@ -24,7 +24,9 @@ static unsigned pairs;
 
 static bool got(u32 seq) { return received[seq / 8] >> (seq % 8) & 1; }
 
-static u32 payload_len(u32 seq) { return 64 + (seq * 37) % 1337; }
+static u32 fixed_size;			/* size=: every payload this long */
+
+static u32 payload_len(u32 seq) { return fixed_size ? fixed_size : 64 + (seq * 37) % 1337; }
 
 static void fill(u8 *p, u32 seq)
 {
@@ -37,7 +39,7 @@ static void fill(u8 *p, u32 seq)
 
 static void send_seq(u32 seq)
 {
-	static u8 payload[1500];
+	static u8 payload[1536];
 	fill(payload, seq);
 	unsigned p = seq % pairs;
 	u32 flen = udp_frame(frame, net.mac, peer_mac, my_ip, peer_ip, (u16)(42000 + p), port,
@@ -50,7 +52,7 @@ static void send_seq(u32 seq)
  * answers, or -1. */
 static s64 receive_one(unsigned p, u32 count, u64 *dups)
 {
-	static u8 want[1500];
+	static u8 want[1536];
 	int len = net_recv(&net, p, rxbuf, 0);
 	struct rx_frame rx;
 	if (len <= 0 || !parse_frame(rxbuf, (u32)len, &rx))
@@ -84,6 +86,9 @@ static u64 work(u64 arg)
 	peer_ip = v ? parse_ip(v, len) : parse_ip("10.0.2.2", 8);
 	port = (u16)cmdline_uint("port", 7777);
 	u32 count = (u32)cmdline_uint("count", 4000), window = (u32)cmdline_uint("window", 32);
+	fixed_size = (u32)cmdline_uint("size", 0);
+	if (fixed_size && (fixed_size < 8 || fixed_size > 1472))
+		fail("size=%u: 8 to 1472 bytes", fixed_size);
 	if (count > MAX_COUNT)
 		fail("count=%u: at most %u", count, MAX_COUNT);
 	if (!virtio_open(&net.vd, VIRTIO_ID_NET, 0))

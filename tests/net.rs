@@ -369,3 +369,11 @@ fn bad_net_options_are_refused() {
         r.expect_error(reason);
     }
 }
+
+/// The `virtio-drivers` crate's VirtIONetRaw over its PCI transport: ARP and UDP echoes.
+#[test]
+fn virtio_drivers_guest_echoes() {
+    let peer = Peer::new("vd", false);
+    let out = peer.run_guest("virtio-drivers-net", &net(""), &["--cmdline", "rounds=20"]);
+    assert!(out.contains("vd-net: 20 UDP echoes intact"), "{out}");
+}

@@ -9,6 +9,7 @@
 #![no_std]
 
 mod kit;
+mod net;
 
 use core::ffi::{c_char, CStr};
 use core::fmt::Write;
