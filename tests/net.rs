@@ -54,6 +54,11 @@ struct Peer {
 
 impl Peer {
     fn new(name: &str, multi_queue: bool) -> Peer {
+        Peer::with_mac(name, multi_queue, None)
+    }
+
+    /// A peer whose tap has the MAC `mac` (two peers standing for one network share it).
+    fn with_mac(name: &str, multi_queue: bool, mac: Option<&str>) -> Peer {
         require_kvm();
         let ns = format!("fvnet-{}-{name}", std::process::id());
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
@@ -70,6 +75,9 @@ impl Peer {
             tuntap.push("multi_queue");
         }
         ip(&tuntap);
+        if let Some(mac) = mac {
+            ip(&["-n", &ns, "link", "set", TAP, "address", mac]);
+        }
         ip(&["-n", &ns, "addr", "add", "10.0.2.2/24", "dev", TAP]);
         ip(&["-n", &ns, "link", "set", TAP, "up"]);
         let script = dir.join("peer.py");
@@ -376,4 +384,64 @@ fn virtio_drivers_guest_echoes() {
     let peer = Peer::new("vd", false);
     let out = peer.run_guest("virtio-drivers-net", &net(""), &["--cmdline", "rounds=20"]);
     assert!(out.contains("vd-net: 20 UDP echoes intact"), "{out}");
+}
+
+/// Links two peers' namespaces with a veth pair: `a` gets 192.168.77.1, `b` .2.
+fn link_namespaces(a: &Peer, b: &Peer) {
+    ip(&[
+        "-n", &a.ns, "link", "add", "mig0", "type", "veth", "peer", "name", "mig1", "netns", &b.ns,
+    ]);
+    ip(&["-n", &a.ns, "addr", "add", "192.168.77.1/24", "dev", "mig0"]);
+    ip(&["-n", &b.ns, "addr", "add", "192.168.77.2/24", "dev", "mig1"]);
+    ip(&["-n", &a.ns, "link", "set", "mig0", "up"]);
+    ip(&["-n", &b.ns, "link", "set", "mig1", "up"]);
+}
+
+/// A live migration from one namespace to another while net-stress runs on two queue
+/// pairs: the stream goes on on the destination's tap (the two peers share an address and
+/// a MAC, as one network would), every echo checked; the destination announces the guest
+/// with RARP frames on its tap.
+#[test]
+fn migration_between_namespaces_while_stressed() {
+    const PEER_MAC: &str = "02:00:00:00:00:02";
+    let source_peer = Peer::with_mac("mig-src", true, Some(PEER_MAC));
+    let dest_peer = Peer::with_mac("mig-dst", true, Some(PEER_MAC));
+    link_namespaces(&source_peer, &dest_peer);
+    let mac = net(&format!(",mac={GUEST_MAC},queues=2"));
+    let listen = "tcp:192.168.77.2:47123";
+    let mut dest = dest_peer.start("dest", &["--incoming", listen, "--net", &mac], true);
+    let kernel = guest("net-stress");
+    let args = [
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--net",
+        &mac,
+        "--cmdline",
+        "pairs=2 count=60000 window=4",
+    ];
+    let mut source = source_peer.start("source", &args, true);
+    wait_until(Duration::from_secs(30), "the stress to start", || {
+        source.output().contains("net-stress: 2 queue pairs")
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    source.ctl(&["migrate", listen]).expect_status(0);
+    let (status, stderr) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0), "source: {stderr}");
+    assert!(
+        !source.output().contains("PASS"),
+        "the stress ended before the migration"
+    );
+    let (status, stderr) = dest.wait(Duration::from_secs(120));
+    let out = dest.output();
+    assert_eq!(status, Some(1), "{out}\n--- stderr\n{stderr}");
+    assert!(out.contains("60000 echoes intact"), "{out}");
+    if let Some(line) = out.lines().find(|l| l.contains("echoes intact")) {
+        eprintln!("after the migration: {line}");
+    }
+    assert!(out.trim_end().ends_with("PASS"), "{out}");
+    let rarps = dest_peer
+        .log()
+        .matches(&format!("rarp {GUEST_MAC}"))
+        .count();
+    assert!(rarps >= 3, "{rarps} RARP frames on the destination's tap");
 }
