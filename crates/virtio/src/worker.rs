@@ -50,6 +50,13 @@ pub trait QueueHandler<M: GuestMemory>: Send + 'static {
         true
     }
 
+    /// Whether the driver need not notify `queue` after the worker has served it: a
+    /// receive queue that still holds buffers is looked at again when input arrives, so
+    /// the driver's kicks for every buffer it adds (each a VM exit) would be wasted.
+    fn notifications_off(&mut self, _queue: u16) -> bool {
+        false
+    }
+
     /// Wakers besides the queues' own that make the worker re-check every queue.
     fn extra_wakers(&self) -> Vec<Arc<Waker>> {
         Vec::new()
@@ -495,6 +502,9 @@ where
                 break;
             }
             let index = self.queues[slot].index;
+            if self.handler.notifications_off(index) {
+                break;
+            }
             let queue = &mut self.queues[slot].queue;
             let more = queue.enable_notification(mem).unwrap_or(false);
             // Without progress a bogus available index would make `more` true forever; a

@@ -182,6 +182,12 @@ impl<M: GuestMemory> QueueHandler<M> for PairHandler {
         queue != self.rx_queue() || self.fetch_frame()
     }
 
+    fn notifications_off(&mut self, queue: u16) -> bool {
+        // Receive buffers are looked for when a frame arrives; the driver needs to kick
+        // only once the device holds a frame it has no buffer for.
+        queue == self.rx_queue() && self.pending_rx.is_none()
+    }
+
     fn extra_wakers(&self) -> Vec<Arc<Waker>> {
         // Woken when the control queue attaches or detaches this pair.
         self.shared
