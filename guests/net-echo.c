@@ -15,7 +15,9 @@
  * the status (after a restore or a migration) is answered with a
  * gratuitous ARP and VIRTIO_NET_CTRL_ANNOUNCE_ACK, and reported
  * ("net-echo: announced").  `progress=N` prints a line every N rounds;
- * `pause_us=` waits between rounds (for snapshot tests).
+ * `pause_us=` waits between rounds (for snapshot tests).  `irq=1` receives
+ * by MSI-X interrupt (every wait must end with one; an announcement must
+ * have come with a configuration interrupt) instead of polling.
  */
 #include "net.h"
 
@@ -166,6 +168,7 @@ static u64 work(u64 arg)
 	port = (u16)cmdline_uint("port", 7777);
 	if (!virtio_open(&net.vd, VIRTIO_ID_NET, 0))
 		fail("no virtio-net device");
+	net.irq = cmdline_uint("irq", 0);
 	if (!net_start(&net, VIRTIO_BIT(VIRTIO_NET_F_GUEST_ANNOUNCE), 1, 256))
 		fail("virtio-net did not start");
 	check_mac();
@@ -186,6 +189,15 @@ static u64 work(u64 arg)
 	for (u32 seq = 1; seq <= pings; seq++)
 		ping(seq);
 	check_announce();
+	if (net.irq_on) {
+		struct virtq *rx = net.pair[0].rx;
+		printf("net-echo: MSI-X: %u receive interrupts, %lu waits ended by one, %lu missed, %u configuration interrupts\n",
+		       rx->irqs, rx->waits_irq, rx->missed_irqs, net.vd.config_irqs);
+		if (!rx->irqs || rx->missed_irqs)
+			fail("receive interrupts: %u, %lu frames without one", rx->irqs, rx->missed_irqs);
+		if (announced && !net.vd.config_irqs)
+			fail("announced without a configuration interrupt");
+	}
 	printf("net-echo: %lu UDP echoes (%u sent again), %lu pings, %u announcements, rx %lu tx %lu\n",
 	       rounds, retries, pings, announced, net.pair[0].rx_frames, net.pair[0].tx_frames);
 	return 0;
@@ -194,6 +206,12 @@ static u64 work(u64 arg)
 void guest_main(void)
 {
 	tsc_hz();
-	enter_ring3_irq(work, 0, false);
+	bool irq = cmdline_uint("irq", 0);
+	if (irq) {
+		lapic_enable();
+		lapic_mask_lint0();
+		pic_disable();
+	}
+	enter_ring3_irq(work, 0, irq);
 	pass();
 }

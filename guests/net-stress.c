@@ -9,6 +9,7 @@
  * (nothing new for 500 ms) sends every outstanding frame again, counted;
  * more than 20 stalls fail.  Duplicates (answers to resent frames) are
  * counted and otherwise ignored.  Prints frames per pair and the rate.
+ * `irq=1`: receive queues interrupt by MSI-X (polled otherwise).
  */
 #include "net.h"
 
@@ -93,6 +94,7 @@ static u64 work(u64 arg)
 		fail("count=%u: at most %u", count, MAX_COUNT);
 	if (!virtio_open(&net.vd, VIRTIO_ID_NET, 0))
 		fail("no virtio-net device");
+	net.irq = cmdline_uint("irq", 0);
 	if (!net_start(&net, 0, (unsigned)cmdline_uint("pairs", 2), 256))
 		fail("virtio-net did not start");
 	pairs = net.pairs;
@@ -141,6 +143,12 @@ static u64 work(u64 arg)
 void guest_main(void)
 {
 	tsc_hz();
-	enter_ring3_irq(work, 0, false);
+	bool irq = cmdline_uint("irq", 0);
+	if (irq) {
+		lapic_enable();
+		lapic_mask_lint0();
+		pic_disable();
+	}
+	enter_ring3_irq(work, 0, irq);
 	pass();
 }

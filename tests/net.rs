@@ -250,14 +250,14 @@ fn net(options: &str) -> String {
     format!("tap={TAP}{options}")
 }
 
-/// ARP, UDP echo and ICMP echo with the peer, in both irqchip modes and with the
-/// user-space notification path; the MAC given on the command line is the guest's.
+/// ARP, UDP echo and ICMP echo with the peer, received by MSI-X interrupt (irqfd) in both
+/// irqchip modes and polled; the MAC given on the command line is the guest's.
 #[test]
 fn echo_with_the_peer_in_both_irqchip_modes() {
     let peer = Peer::new("echo", false);
-    let cmdline = format!("mac={GUEST_MAC} rounds=50 pings=5");
     let mac = net(&format!(",mac={GUEST_MAC}"));
-    for irqchip in ["kernel", "split"] {
+    for (irqchip, irq) in [("kernel", 1), ("split", 1), ("kernel", 0)] {
+        let cmdline = format!("mac={GUEST_MAC} rounds=50 pings=5 irq={irq}");
         let out = peer.run_guest(
             "net-echo",
             &mac,
@@ -265,6 +265,7 @@ fn echo_with_the_peer_in_both_irqchip_modes() {
         );
         assert!(out.contains("net-echo: 50 UDP echoes"), "{out}");
         assert!(out.contains(&format!("net-echo: mac {GUEST_MAC}")), "{out}");
+        assert_eq!(out.contains("net-echo: MSI-X:"), irq == 1, "{out}");
     }
 }
 
@@ -275,10 +276,11 @@ fn echo_without_kernel_eventfds() {
     let out = peer.run_guest_env(
         "net-echo",
         &net(""),
-        &["--cmdline", "rounds=50"],
+        &["--cmdline", "rounds=50 irq=1"],
         &[("FERROVM_KERNEL_EVENTFDS", "off")],
     );
     assert!(out.contains("net-echo: 50 UDP echoes"), "{out}");
+    assert!(out.contains("net-echo: MSI-X:"), "{out}");
 }
 
 /// Two queue pairs (IFF_MULTI_QUEUE, VIRTIO_NET_F_MQ, VQ_PAIRS_SET 2), 20000 frames of up
@@ -321,7 +323,7 @@ fn hostile_driver_leaves_the_device_working() {
 fn snapshot_and_restore_mid_stream_announce_the_guest() {
     let peer = Peer::new("snapshot", false);
     let kernel = guest("net-echo");
-    let cmdline = format!("mac={GUEST_MAC} rounds=400 progress=20 pause_us=10000");
+    let cmdline = format!("mac={GUEST_MAC} rounds=400 progress=20 pause_us=10000 irq=1");
     let mac = net(&format!(",mac={GUEST_MAC}"));
     let args = [
         "--kernel",
@@ -350,6 +352,7 @@ fn snapshot_and_restore_mid_stream_announce_the_guest() {
     assert!(out.trim_end().ends_with("PASS"), "{out}");
     assert!(!out.contains("net-echo: mac"), "booted afresh:\n{out}");
     assert!(out.contains("net-echo: 400 UDP echoes"), "{out}");
+    // With its configuration interrupt (the guest checks it came).
     assert!(out.contains("net-echo: announced"), "{out}");
     let rarps = peer
         .log()

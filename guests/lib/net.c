@@ -21,11 +21,23 @@ static void post_rx(struct net_pair *pr, u16 slot)
 		fail("net: receive queue %u full when posting a buffer", pr->rx->index);
 }
 
+/* Queue `index` with its own MSI-X entry and vector when interrupts are on. */
+static struct virtq *setup_queue(struct net_dev *n, u16 index, u16 size)
+{
+	u16 entry = n->irq_on ? (u16)(index + 1) : VIRTIO_MSI_NO_VECTOR;
+	struct virtq *q = virtio_queue_setup(&n->vd, index, size, entry);
+	if (q && n->irq_on) {
+		virtio_msix_route(&n->vd, entry, lapic_id(), (u8)(NET_VECTOR_BASE + entry));
+		virtq_bind_irq(q, (u8)(NET_VECTOR_BASE + entry));
+	}
+	return q;
+}
+
 static bool setup_pair(struct net_dev *n, unsigned p)
 {
 	struct net_pair *pr = &n->pair[p];
 	memset(pr, 0, sizeof(*pr));
-	pr->rx = virtio_queue_setup(&n->vd, (u16)(2 * p), n->qsize, VIRTIO_MSI_NO_VECTOR);
+	pr->rx = setup_queue(n, (u16)(2 * p), n->qsize);
 	pr->tx = virtio_queue_setup(&n->vd, (u16)(2 * p + 1), n->qsize, VIRTIO_MSI_NO_VECTOR);
 	if (!pr->rx || !pr->tx)
 		return false;
@@ -59,6 +71,13 @@ bool net_start(struct net_dev *n, u64 wanted, unsigned pairs, u16 qsize)
 		return false;
 	}
 	n->qsize = qsize;
+	n->irq_on = n->irq && vd->has_msix && vd->msix.entries >= ctrl_index + 2;
+	if (n->irq_on) {
+		if (!virtio_msix_enable(vd, 0))
+			return false;
+		virtio_msix_route(vd, 0, lapic_id(), NET_VECTOR_BASE);
+		virtio_bind_config_irq(vd, NET_VECTOR_BASE);
+	}
 	for (unsigned p = 0; p < pairs; p++)
 		if (!setup_pair(n, p))
 			return false;
@@ -129,11 +148,16 @@ bool net_send(struct net_dev *n, unsigned p, const void *frame, u32 len)
 int net_recv(struct net_dev *n, unsigned p, void *out, u64 timeout_us)
 {
 	struct net_pair *pr = &n->pair[p];
-	u64 deadline = net_deadline(timeout_us);
-	while (!virtq_has_used(pr->rx)) {
-		if (net_expired(deadline))
+	if (n->irq_on) {
+		if (virtq_wait(pr->rx, timeout_us) != 1)
 			return 0;
-		pause();
+	} else {
+		u64 deadline = net_deadline(timeout_us);
+		while (!virtq_has_used(pr->rx)) {
+			if (net_expired(deadline))
+				return 0;
+			pause();
+		}
 	}
 	u32 len;
 	u64 token = (u64)virtq_get(pr->rx, &len);

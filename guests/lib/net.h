@@ -44,8 +44,12 @@ struct net_pair {
 	u64 rx_frames, tx_frames;
 };
 
+#define NET_VECTOR_BASE	0x40	/* configuration; queue entry e -> NET_VECTOR_BASE + e */
+
 struct net_dev {
 	struct virtio_dev vd;
+	bool irq;			/* set before net_start: receive by MSI-X */
+	bool irq_on;			/* MSI-X in use (the device has enough entries) */
 	struct net_pair pair[NET_MAX_PAIRS];
 	unsigned pairs;			/* set up */
 	struct virtq *ctrl;
@@ -56,8 +60,11 @@ struct net_dev {
 
 /* virtio_init(wanted | MAC | STATUS | CTRL_VQ), `pairs` queue pairs (with
  * MQ if more than one; VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET sent), every
- * receive buffer posted, DRIVER_OK, the MAC read.  false and a message on
- * failure. */
+ * receive buffer posted, DRIVER_OK, the MAC read.  With n->irq and MSI-X:
+ * the configuration change on entry 0 and queue q on entry q + 1, each to
+ * vector NET_VECTOR_BASE + entry on this CPU (the caller runs with
+ * interrupts on); receives then wait for their interrupt.  false and a
+ * message on failure. */
 bool net_start(struct net_dev *n, u64 wanted, unsigned pairs, u16 qsize);
 /* Queues a frame (no header) on pair p and rings the doorbell; reclaims
  * finished transmissions first.  false if the queue stays full ~1 s. */
