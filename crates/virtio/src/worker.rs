@@ -421,7 +421,8 @@ where
             .chain(self.extra.iter().map(|w| w.poll_fd()))
             .chain(handler_fds)
             .collect();
-        poll_readable(&fds)
+        let own = 1 + self.queues.len() + self.extra.len();
+        poll_readable(&fds, own)
     }
 
     fn dispatch(&mut self, ready: &[bool]) {
@@ -584,8 +585,10 @@ where
     }
 }
 
-/// poll(2) on `fds` for readability, without timeout; retries on EINTR.
-fn poll_readable(fds: &[RawFd]) -> io::Result<Vec<bool>> {
+/// poll(2) on `fds` for readability, without timeout; retries on EINTR. An error on one
+/// of the first `own` descriptors (the worker's wakers) is fatal; one on a handler's
+/// descriptor counts as readiness, and the handler finds the error when it reads.
+fn poll_readable(fds: &[RawFd], own: usize) -> io::Result<Vec<bool>> {
     let mut pollfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|&fd| libc::pollfd {
@@ -606,7 +609,7 @@ fn poll_readable(fds: &[RawFd]) -> io::Result<Vec<bool>> {
         }
     }
     let bad = libc::POLLERR | libc::POLLNVAL;
-    if let Some(p) = pollfds.iter().find(|p| p.revents & bad != 0) {
+    if let Some(p) = pollfds.iter().take(own).find(|p| p.revents & bad != 0) {
         return Err(io::Error::other(format!(
             "descriptor {} is invalid or in error",
             p.fd
@@ -614,7 +617,7 @@ fn poll_readable(fds: &[RawFd]) -> io::Result<Vec<bool>> {
     }
     Ok(pollfds
         .iter()
-        .map(|p| p.revents & (libc::POLLIN | libc::POLLHUP) != 0)
+        .map(|p| p.revents & (libc::POLLIN | libc::POLLHUP | bad) != 0)
         .collect())
 }
 
@@ -637,6 +640,8 @@ mod tests {
         gate: Option<Arc<Mutex<mpsc::Receiver<()>>>>,
         started: Option<mpsc::SyncSender<()>>,
         extra: Vec<Arc<Waker>>,
+        /// Handed out once by `poll_fds`.
+        own_fd: Arc<Mutex<Option<RawFd>>>,
     }
 
     impl Probe {
@@ -648,6 +653,7 @@ mod tests {
                 gate: None,
                 started: None,
                 extra: Vec::new(),
+                own_fd: Arc::default(),
             }
         }
         fn handled(&self) -> Vec<(u16, u16)> {
@@ -677,6 +683,9 @@ mod tests {
         }
         fn extra_wakers(&self) -> Vec<Arc<Waker>> {
             self.extra.clone()
+        }
+        fn poll_fds(&mut self) -> Vec<RawFd> {
+            self.own_fd.lock().unwrap().take().into_iter().collect()
         }
     }
 
@@ -827,6 +836,27 @@ mod tests {
         probe.open.store(true, Ordering::SeqCst);
         input.wake().unwrap();
         assert_eq!(driver.wait_used(0, 1).len(), 1);
+    }
+
+    #[test]
+    fn an_error_on_a_handler_descriptor_is_not_fatal() {
+        let mut driver = TestDriver::new(&[16]);
+        let probe = Probe::new();
+        // A pipe whose read end is closed: poll reports POLLERR on the write end.
+        let mut ends = [0; 2];
+        // SAFETY: `ends` has room for the two descriptors pipe(2) returns.
+        assert_eq!(unsafe { libc::pipe(ends.as_mut_ptr()) }, 0);
+        // SAFETY: the read end is ours and not used again.
+        unsafe { libc::close(ends[0]) };
+        *probe.own_fd.lock().unwrap() = Some(ends[1]);
+        let _worker = spawn(&driver, &probe, false);
+        // Past its first look at the queues and into poll(2).
+        std::thread::sleep(Duration::from_millis(50));
+        one_buffer_chain(&mut driver, 0);
+        driver.kick(0);
+        assert_eq!(driver.wait_used(0, 1).len(), 1, "the worker stopped");
+        // SAFETY: the write end is ours; the worker no longer polls it.
+        unsafe { libc::close(ends[1]) };
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub mod tap;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use devices::exit::Waker;
@@ -67,6 +67,8 @@ pub struct Shared {
     pub taps: Vec<Arc<Tap>>,
     /// One per pair: woken when the pair is attached or detached.
     pub steering_wakers: Vec<Arc<Waker>>,
+    /// Counts changes of the attached queues.
+    pub steering_generation: AtomicU64,
     /// Serialises changes of the attached queues (the control queue's thread and pair 0's).
     steering: Mutex<()>,
 }
@@ -87,6 +89,7 @@ impl Shared {
     }
 
     fn apply_steering(&self, pairs: u16) {
+        self.steering_generation.fetch_add(1, Ordering::SeqCst);
         if self.taps.len() > 1 {
             for (k, tap) in self.taps.iter().enumerate() {
                 if let Err(e) = tap.set_attached(k < usize::from(pairs)) {
@@ -142,6 +145,7 @@ impl Net {
             counters: Counters::default(),
             taps,
             steering_wakers,
+            steering_generation: AtomicU64::new(0),
             steering: Mutex::new(()),
         });
         Ok(Net {
@@ -410,6 +414,7 @@ impl Net {
             setup: (pair == 0).then(|| self.rx_offloads(acked)),
             max_tx_frame: Net::max_tx_frame(acked),
             pending_rx: None,
+            tap_failed: None,
             rx_buf: vec![0; MAX_GSO_FRAME],
             tx_buf: Vec::new(),
         };

@@ -66,6 +66,10 @@ pub struct PairHandler {
     pub max_tx_frame: usize,
     /// A frame read from the tap that waits for a receive buffer.
     pub pending_rx: Option<usize>,
+    /// The tap queue failed a read (detached under the thread, or the interface gone): it
+    /// is not polled again until the control queue changes the queues attached.
+    /// Holds the steering generation at the failure.
+    pub tap_failed: Option<u64>,
     pub rx_buf: Vec<u8>,
     pub tx_buf: Vec<u8>,
 }
@@ -106,8 +110,12 @@ impl PairHandler {
             }
             Ok(_) => false,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => false,
             Err(e) => {
-                log::debug!("virtio-net: reading {}: {e}", self.tap.name());
+                if self.tap_failed.is_none() {
+                    log::warn!("virtio-net: reading {}: {e}", self.tap.name());
+                }
+                self.tap_failed = Some(self.shared.steering_generation.load(Ordering::SeqCst));
                 false
             }
         }
@@ -201,7 +209,13 @@ impl<M: GuestMemory> QueueHandler<M> for PairHandler {
     fn poll_fds(&mut self) -> Vec<RawFd> {
         self.set_up();
         // A frame in hand waits for the driver's receive notification, not for the tap.
-        if !self.has_rx || self.pending_rx.is_some() || !self.attached() {
+        // A change of the attached queues gives a failed tap another chance.
+        let generation = self.shared.steering_generation.load(Ordering::SeqCst);
+        if self.tap_failed.is_some_and(|failed| failed != generation) {
+            self.tap_failed = None;
+        }
+        let failed = self.tap_failed.is_some();
+        if !self.has_rx || failed || self.pending_rx.is_some() || !self.attached() {
             return Vec::new();
         }
         vec![self.tap.poll_fd()]
