@@ -11,7 +11,9 @@
  * VIRTIO_NET_ERR; a command without a writable byte comes back with length
  * 0.  Last, a transmit head beyond the queue: the device must set
  * DEVICE_NEEDS_RESET; the driver resets it, starts again, and a good echo
- * passes.
+ * passes.  Then receive buffers of 64 bytes: the ARP reply fits, a 200-byte
+ * echo does not and must come back as a used buffer of length 0; after a
+ * reset with full-size buffers a good echo passes again.
  */
 #include "net.h"
 
@@ -96,6 +98,36 @@ static void head_beyond_queue(void)
 		fail("virtio-net did not start again after the reset");
 }
 
+static void small_receive_buffers(void)
+{
+	if (!virtio_reset(&net.vd))
+		fail("reset failed");
+	net.rx_len = 64;
+	if (!net_start(&net, 0, 1, 256))
+		fail("virtio-net did not start with small buffers");
+	if (!net_resolve(&net, 0, my_ip, peer_ip, peer_mac, 10000000))
+		fail("no ARP reply into a 64-byte buffer");
+	static u8 payload[200], buf[NET_BUF_LEN];
+	memset(payload, 0x5a, sizeof(payload));
+	u8 frame[300];
+	u32 len = udp_frame(frame, net.mac, peer_mac, my_ip, peer_ip, 44001, port, payload,
+			    sizeof(payload));
+	for (int attempt = 0; attempt < 10 && !net.pair[0].rx_short; attempt++) {
+		net_send(&net, 0, frame, len);
+		u64 deadline = net_deadline(300000);
+		while (!net_expired(deadline) && !net.pair[0].rx_short)
+			net_recv(&net, 0, buf, 10000);
+	}
+	if (!net.pair[0].rx_short)
+		fail("a frame longer than the receive buffer did not come back with length 0");
+	printf("net-hostile: a frame longer than the receive buffer came back with length 0\n");
+	if (!virtio_reset(&net.vd))
+		fail("reset failed");
+	net.rx_len = 0;
+	if (!net_start(&net, 0, 1, 256))
+		fail("virtio-net did not start again");
+}
+
 static u64 work(u64 arg)
 {
 	(void)arg;
@@ -115,6 +147,8 @@ static u64 work(u64 arg)
 	good_echo("after the bad control commands");
 	head_beyond_queue();
 	good_echo("after the reset");
+	small_receive_buffers();
+	good_echo("after the small receive buffers");
 	return 0;
 }
 

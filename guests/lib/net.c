@@ -16,7 +16,7 @@ bool net_expired(u64 deadline)
 
 static void post_rx(struct net_pair *pr, u16 slot)
 {
-	struct vbuf b = { pr->rx_bufs + (u64)slot * NET_BUF_LEN, NET_BUF_LEN };
+	struct vbuf b = { pr->rx_bufs + (u64)slot * NET_BUF_LEN, pr->rx_len };
 	if (virtq_add(pr->rx, &b, 0, 1, (void *)(u64)(slot + 1)) < 0)
 		fail("net: receive queue %u full when posting a buffer", pr->rx->index);
 }
@@ -41,6 +41,7 @@ static bool setup_pair(struct net_dev *n, unsigned p)
 	pr->tx = virtio_queue_setup(&n->vd, (u16)(2 * p + 1), n->qsize, VIRTIO_MSI_NO_VECTOR);
 	if (!pr->rx || !pr->tx)
 		return false;
+	pr->rx_len = n->rx_len && n->rx_len < NET_BUF_LEN ? n->rx_len : NET_BUF_LEN;
 	pr->rx_bufs = dma_alloc((u64)pr->rx->size * NET_BUF_LEN, 4096);
 	pr->tx_bufs = dma_alloc((u64)pr->tx->size * NET_BUF_LEN, 4096);
 	for (u16 i = 0; i < pr->rx->size; i++)
@@ -165,7 +166,9 @@ int net_recv(struct net_dev *n, unsigned p, void *out, u64 timeout_us)
 		fail("net: receive queue %u returned token %lu", pr->rx->index, token);
 	u16 slot = (u16)(token - 1);
 	int got = -1;
-	if (len >= NET_HDR_LEN && len <= NET_BUF_LEN) {
+	if (len < NET_HDR_LEN)
+		pr->rx_short++;
+	if (len >= NET_HDR_LEN && len <= pr->rx_len) {
 		got = (int)(len - NET_HDR_LEN);
 		memcpy(out, pr->rx_bufs + (u64)slot * NET_BUF_LEN + NET_HDR_LEN, (size_t)got);
 		pr->rx_frames++;

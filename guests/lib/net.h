@@ -41,7 +41,8 @@ struct net_pair {
 	u8 *rx_bufs, *tx_bufs;		/* qsize buffers of NET_BUF_LEN each */
 	u16 tx_next;			/* next transmit buffer slot */
 	unsigned tx_inflight;
-	u64 rx_frames, tx_frames;
+	u32 rx_len;			/* bytes posted per receive buffer */
+	u64 rx_frames, tx_frames, rx_short;	/* rx_short: used with less than a header */
 };
 
 #define NET_VECTOR_BASE	0x40	/* configuration; queue entry e -> NET_VECTOR_BASE + e */
@@ -50,6 +51,7 @@ struct net_dev {
 	struct virtio_dev vd;
 	bool irq;			/* set before net_start: receive by MSI-X */
 	bool irq_on;			/* MSI-X in use (the device has enough entries) */
+	u32 rx_len;			/* set before net_start: receive buffer size (0: NET_BUF_LEN) */
 	struct net_pair pair[NET_MAX_PAIRS];
 	unsigned pairs;			/* set up */
 	struct virtq *ctrl;

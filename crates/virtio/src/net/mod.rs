@@ -391,6 +391,23 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
     }
 }
 
+impl Drop for Net {
+    /// Says what the guest's frames cost it, when some were dropped.
+    fn drop(&mut self) {
+        let c = &self.shared.counters;
+        let malformed = c.tx_malformed.load(Ordering::Relaxed);
+        let refused = c.tx_errors.load(Ordering::Relaxed);
+        let too_long = c.rx_too_long.load(Ordering::Relaxed);
+        if malformed + refused + too_long > 0 {
+            log::warn!(
+                "virtio-net {}: dropped {malformed} malformed transmit chains, {refused} frames \
+                 the tap refused, {too_long} received frames longer than their buffers",
+                self.options.tap
+            );
+        }
+    }
+}
+
 impl Net {
     fn spawn_pair<M: GuestMemory + Send + Sync + 'static>(
         &mut self,
