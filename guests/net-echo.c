@@ -17,7 +17,8 @@
  * ("net-echo: announced").  `progress=N` prints a line every N rounds;
  * `pause_us=` waits between rounds (for snapshot tests).  `irq=1` receives
  * by MSI-X interrupt (every wait must end with one; an announcement must
- * have come with a configuration interrupt) instead of polling.
+ * have come with a configuration interrupt) instead of polling.  `mrg=1`
+ * negotiates VIRTIO_NET_F_MRG_RXBUF (every frame's num_buffers checked).
  */
 #include "net.h"
 
@@ -169,9 +170,14 @@ static u64 work(u64 arg)
 	if (!virtio_open(&net.vd, VIRTIO_ID_NET, 0))
 		fail("no virtio-net device");
 	net.irq = cmdline_uint("irq", 0);
-	if (!net_start(&net, VIRTIO_BIT(VIRTIO_NET_F_GUEST_ANNOUNCE), 1, 256))
+	u64 wanted = VIRTIO_BIT(VIRTIO_NET_F_GUEST_ANNOUNCE);
+	if (cmdline_uint("mrg", 0))
+		wanted |= VIRTIO_BIT(VIRTIO_NET_F_MRG_RXBUF);
+	if (!net_start(&net, wanted, 1, 256))
 		fail("virtio-net did not start");
 	check_mac();
+	printf("net-echo: mergeable receive buffers %s\n",
+	       virtio_has(&net.vd, VIRTIO_NET_F_MRG_RXBUF) ? "on" : "off");
 	if (!net_resolve(&net, 0, my_ip, peer_ip, peer_mac, 10000000))
 		fail("no ARP reply from the peer");
 	printf("net-echo: peer %02x:%02x:%02x:%02x:%02x:%02x\n", peer_mac[0], peer_mac[1],

@@ -251,13 +251,14 @@ fn net(options: &str) -> String {
 }
 
 /// ARP, UDP echo and ICMP echo with the peer, received by MSI-X interrupt (irqfd) in both
-/// irqchip modes and polled; the MAC given on the command line is the guest's.
+/// irqchip modes and polled, with and without mergeable receive buffers; the MAC given on
+/// the command line is the guest's.
 #[test]
 fn echo_with_the_peer_in_both_irqchip_modes() {
     let peer = Peer::new("echo", false);
     let mac = net(&format!(",mac={GUEST_MAC}"));
-    for (irqchip, irq) in [("kernel", 1), ("split", 1), ("kernel", 0)] {
-        let cmdline = format!("mac={GUEST_MAC} rounds=50 pings=5 irq={irq}");
+    for (irqchip, irq, mrg) in [("kernel", 1, 0), ("split", 1, 1), ("kernel", 0, 0)] {
+        let cmdline = format!("mac={GUEST_MAC} rounds=50 pings=5 irq={irq} mrg={mrg}");
         let out = peer.run_guest(
             "net-echo",
             &mac,
@@ -266,6 +267,11 @@ fn echo_with_the_peer_in_both_irqchip_modes() {
         assert!(out.contains("net-echo: 50 UDP echoes"), "{out}");
         assert!(out.contains(&format!("net-echo: mac {GUEST_MAC}")), "{out}");
         assert_eq!(out.contains("net-echo: MSI-X:"), irq == 1, "{out}");
+        let mergeable = if mrg == 1 { "on" } else { "off" };
+        assert!(
+            out.contains(&format!("mergeable receive buffers {mergeable}")),
+            "{out}"
+        );
     }
 }
 

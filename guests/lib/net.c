@@ -169,6 +169,10 @@ int net_recv(struct net_dev *n, unsigned p, void *out, u64 timeout_us)
 	if (len < NET_HDR_LEN)
 		pr->rx_short++;
 	if (len >= NET_HDR_LEN && len <= pr->rx_len) {
+		const u8 *hdr = pr->rx_bufs + (u64)slot * NET_BUF_LEN;
+		u16 num_buffers = (u16)(hdr[10] | hdr[11] << 8);
+		if (virtio_has(&n->vd, VIRTIO_NET_F_MRG_RXBUF) && num_buffers != 1)
+			fail("net: a %u-byte frame in one buffer says num_buffers %u", len, num_buffers);
 		got = (int)(len - NET_HDR_LEN);
 		memcpy(out, pr->rx_bufs + (u64)slot * NET_BUF_LEN + NET_HDR_LEN, (size_t)got);
 		pr->rx_frames++;

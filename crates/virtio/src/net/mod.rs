@@ -182,8 +182,12 @@ impl Net {
         config
     }
 
-    /// TUNSETOFFLOAD flags for what the driver accepts on receive.
+    /// TUNSETOFFLOAD flags for what the driver accepts on receive. With
+    /// VIRTIO_NET_F_MRG_RXBUF the driver posts MTU-sized buffers and the device puts each
+    /// frame in one of them, so the tap is asked for no segmentation offload: frames stay
+    /// MTU-sized (the GUEST_TSO/UFO features allow such frames, they do not demand them).
     fn rx_offloads(&self, acked: u64) -> u32 {
+        let mergeable = acked & (1 << VIRTIO_NET_F_MRG_RXBUF) != 0;
         [
             (VIRTIO_NET_F_GUEST_CSUM, TUN_F_CSUM),
             (VIRTIO_NET_F_GUEST_TSO4, TUN_F_TSO4),
@@ -192,7 +196,9 @@ impl Net {
             (VIRTIO_NET_F_GUEST_UFO, TUN_F_UFO),
         ]
         .into_iter()
-        .filter(|(feature, _)| acked & (1 << feature) != 0)
+        .filter(|(feature, flag)| {
+            acked & (1 << feature) != 0 && (!mergeable || *flag == TUN_F_CSUM)
+        })
         .fold(0, |flags, (_, flag)| flags | flag)
     }
 
@@ -258,6 +264,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
 
     fn features(&self) -> u64 {
         let mut features = COMMON_FEATURES
+            | 1 << VIRTIO_NET_F_MRG_RXBUF
             | 1 << VIRTIO_NET_F_MAC
             | 1 << VIRTIO_NET_F_STATUS
             | 1 << VIRTIO_NET_F_CTRL_VQ

@@ -138,7 +138,8 @@ impl PairHandler {
             return 0;
         }
         let frame = &mut self.rx_buf[..len];
-        // Without VIRTIO_NET_F_MRG_RXBUF every frame takes exactly one buffer.
+        // Every frame takes exactly one buffer, VIRTIO_NET_F_MRG_RXBUF or not (with it, the
+        // tap is kept from sending frames larger than the MTU: see `Net::rx_offloads`).
         frame[NUM_BUFFERS_OFFSET..VNET_HDR_LEN].copy_from_slice(&1u16.to_le_bytes());
         if writer.write_all(frame).is_err() {
             return writer.bytes_written() as u32;

@@ -72,7 +72,7 @@ fn configuration_space_and_features() {
     ] {
         assert_ne!(features & (1 << bit), 0, "feature {bit} not offered");
     }
-    assert_eq!(features & (1 << VIRTIO_NET_F_MRG_RXBUF), 0);
+    assert_ne!(features & (1 << VIRTIO_NET_F_MRG_RXBUF), 0);
     assert_eq!(
         VirtioDevice::<GuestMemoryMmap>::queue_max_sizes(&net).len(),
         5
@@ -93,6 +93,23 @@ fn activate(net: &mut Net, driver: &TestDriver, acked: u64) {
         driver.interrupt(),
     )
     .unwrap();
+}
+
+#[test]
+fn mergeable_buffers_keep_segmentation_offloads_off_the_tap() {
+    let Some(net) = device(1) else { return };
+    let guest_offloads = 1 << VIRTIO_NET_F_GUEST_CSUM
+        | 1 << VIRTIO_NET_F_GUEST_TSO4
+        | 1 << VIRTIO_NET_F_GUEST_TSO6
+        | 1 << VIRTIO_NET_F_GUEST_UFO;
+    assert_eq!(
+        net.rx_offloads(guest_offloads),
+        TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_UFO
+    );
+    assert_eq!(
+        net.rx_offloads(guest_offloads | 1 << VIRTIO_NET_F_MRG_RXBUF),
+        TUN_F_CSUM
+    );
 }
 
 #[test]
