@@ -412,7 +412,7 @@ fn link_namespaces(a: &Peer, b: &Peer) {
 }
 
 /// A live migration from one namespace to another while net-stress runs on two queue
-/// pairs: the stream goes on on the destination's tap (the two peers share an address and
+/// pairs, receiving by MSI-X interrupt: the stream goes on on the destination's tap (the two peers share an address and
 /// a MAC, as one network would), every echo checked; the destination announces the guest
 /// with RARP frames on its tap.
 #[test]
@@ -431,7 +431,7 @@ fn migration_between_namespaces_while_stressed() {
         "--net",
         &mac,
         "--cmdline",
-        "pairs=2 count=60000 window=4",
+        "pairs=2 count=60000 window=4 irq=1",
     ];
     let mut source = source_peer.start("source", &args, true);
     wait_until(Duration::from_secs(30), "the stress to start", || {
