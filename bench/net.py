@@ -9,8 +9,11 @@ multiqueue tap (10.0.2.2/24) and bench/udpecho.c echoing UDP on port 7777; the n
 guest (ring 3, polled queues) sends sequence-checked datagrams and reports how long its
 echoes took. Workloads: latency (one datagram of 64 bytes in flight: the round trip
 guest -> tap -> host stack -> echo server -> guest), throughput (1400-byte datagrams, 64 in
-flight, so both directions carry the same bytes) on one queue pair and on two. The floor runs
-the same exchanges between two namespaces over a veth pair (udpecho client), no VM at all.
+flight, so both directions carry the same bytes) on one queue pair and on two, and one way:
+guest to host (the guest sends as fast as its queue takes them; the host counts what arrived)
+and host to guest (the host sends as fast as it can; the guest counts what arrived, first to
+last). The floor runs the same exchanges between two namespaces over a veth pair (udpecho
+client, send, recv), no VM at all.
 """
 import argparse
 import json
@@ -29,8 +32,12 @@ WORKLOADS = {
     "latency": {"pairs": 1, "window": 1, "size": 64, "count": 3000},
     "throughput": {"pairs": 1, "window": 64, "size": 1400, "count": 30000},
     "throughput-2q": {"pairs": 2, "window": 64, "size": 1400, "count": 30000},
+    "guest-to-host": {"pairs": 1, "window": 0, "size": 1400, "count": 30000, "mode": "send"},
+    "host-to-guest": {"pairs": 1, "window": 0, "size": 1400, "count": 20000, "mode": "recv"},
 }
 RESULT = re.compile(r"net-stress: (\d+) echoes intact in (\d+) us")
+SENT = re.compile(r"net-stress: sent (\d+) datagrams of \d+ bytes in (\d+) us, the host received (\d+)")
+RECEIVED = re.compile(r"net-stress: received (\d+) of \d+ datagrams of \d+ bytes in (\d+) us")
 
 
 def sh(*cmd, check=True):
@@ -44,6 +51,9 @@ def setup():
     for ns in (NS, CLIENT_NS):
         sh("ip", "-n", ns, "link", "set", "lo", "up")
     sh("ip", "-n", NS, "tuntap", "add", "dev", "ftap0", "mode", "tap", "vnet_hdr", "multi_queue")
+    # A queue long enough for a whole host-to-guest burst: the host outpaces any guest, and
+    # the figure is how fast the guest takes frames, not how many a short queue drops.
+    sh("ip", "-n", NS, "link", "set", "ftap0", "txqueuelen", "40000")
     sh("ip", "-n", NS, "addr", "add", "10.0.2.2/24", "dev", "ftap0")
     sh("ip", "-n", NS, "link", "set", "ftap0", "up")
     sh("ip", "-n", NS, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1",
@@ -52,10 +62,13 @@ def setup():
     sh("ip", "-n", CLIENT_NS, "addr", "add", "10.0.3.1/24", "dev", "veth1")
     sh("ip", "-n", NS, "link", "set", "veth0", "up")
     sh("ip", "-n", CLIENT_NS, "link", "set", "veth1", "up")
-    server = subprocess.Popen(["ip", "netns", "exec", NS, UDPECHO, "serve", "0.0.0.0", "7777"],
-                              stdout=subprocess.PIPE, text=True)
-    assert server.stdout.readline().strip() == "ready"
-    return server
+    servers = []
+    for mode, port in (("serve", "7777"), ("sink", "7778"), ("blast", "7779")):
+        p = subprocess.Popen(["ip", "netns", "exec", NS, UDPECHO, mode, "0.0.0.0", port],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        servers.append(p)
+    return servers
 
 
 def teardown():
@@ -64,7 +77,8 @@ def teardown():
 
 
 def guest_args(w):
-    return f"pairs={w['pairs']} window={w['window']} size={w['size']} count={w['count']}"
+    args = f"pairs={w['pairs']} window={w['window']} size={w['size']} count={w['count']}"
+    return args + (f" mode={w['mode']}" if "mode" in w else "")
 
 
 def vmm_cmd(vmm, w):
@@ -84,23 +98,44 @@ def vmm_cmd(vmm, w):
 def run_vm(vmm, w):
     p = subprocess.run(["ip", "netns", "exec", NS] + vmm_cmd(vmm, w), capture_output=True,
                        text=True, timeout=300)
-    m = RESULT.search(p.stdout)
-    if p.returncode != 1 or not m:
-        raise RuntimeError(f"{vmm}: status {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return int(m.group(2))
+    return parse(vmm, w, p.returncode, p.stdout + p.stderr)
+
+
+def parse(who, w, status, out):
+    """(time in us, datagrams that arrived) from a guest's or the floor's output."""
+    mode = w.get("mode")
+    m = (SENT if mode == "send" else RECEIVED if mode == "recv" else RESULT).search(out)
+    if status != 1 or not m:
+        raise RuntimeError(f"{who}: status {status}\n{out}")
+    if mode == "send":
+        return int(m.group(2)), int(m.group(3))
+    if mode == "recv":
+        return int(m.group(2)), int(m.group(1))
+    return int(m.group(2)), int(m.group(1))
 
 
 def run_floor(w):
+    mode = w.get("mode")
+    if mode:
+        port = "7778" if mode == "send" else "7779"
+        p = sh("ip", "netns", "exec", CLIENT_NS, UDPECHO, mode, "10.0.3.2", port,
+               str(w["count"]), str(w["size"]))
+        m = re.search(r"received=(\d+) us=(\d+)", p.stdout)
+        return int(m.group(2)), int(m.group(1))
     p = sh("ip", "netns", "exec", CLIENT_NS, UDPECHO, "client", "10.0.3.2", "7777",
            str(w["window"] * w["pairs"]), str(w["count"]), str(w["size"]))
-    return int(float(re.search(r"us=(\d+)", p.stdout).group(1)))
+    return int(float(re.search(r"us=(\d+)", p.stdout).group(1))), w["count"]
 
 
-def figures(w, us):
-    echoes_per_s = w["count"] / (us / 1e6)
-    return {"us": us, "rtt_us": us / w["count"] if w["window"] == 1 else None,
-            "echoes_per_s": echoes_per_s,
-            "mbit_each_way": echoes_per_s * w["size"] * 8 / 1e6}
+def figures(w, samples):
+    """Medians: datagrams (echoes, for the echo workloads) per second that arrived, Mbit/s of
+    payload one way, and the round trip for the latency workload."""
+    rates = sorted(n / (us / 1e6) for us, n in samples)
+    rate = statistics.median(rates)
+    return {"per_s": rate, "min_per_s": rates[0], "max_per_s": rates[-1],
+            "rtt_us": 1e6 / rate if w["window"] == 1 else None,
+            "mbit": rate * w["size"] * 8 / 1e6,
+            "delivered": statistics.median(n / w["count"] for _, n in samples)}
 
 
 def main():
@@ -110,7 +145,7 @@ def main():
     args = ap.parse_args()
     Path(UDPECHO).parent.mkdir(parents=True, exist_ok=True)
     sh("gcc", "-O2", "-Wall", "-o", UDPECHO, str(ROOT / "bench/udpecho.c"))
-    server = setup()
+    servers = setup()
     results = {}
     try:
         for name, w in WORKLOADS.items():
@@ -121,14 +156,16 @@ def main():
                 for vmm in order:
                     samples[vmm].append(run_vm(vmm, w))
                 samples["veth"].append(run_floor(w))
-            results[name] = {"workload": w, "samples_us": samples,
-                             **{k: figures(w, statistics.median(v)) for k, v in samples.items()}}
+            results[name] = {"workload": w, "samples": samples,
+                             **{k: figures(w, v) for k, v in samples.items()}}
             f, q, v = (results[name][k] for k in ("ferrovm", "qemu", "veth"))
-            print(f"{name}: ferrovm {f['echoes_per_s']:.0f}/s, qemu {q['echoes_per_s']:.0f}/s, "
-                  f"veth {v['echoes_per_s']:.0f}/s; ferrovm/qemu "
-                  f"{f['echoes_per_s'] / q['echoes_per_s']:.2f}", file=sys.stderr)
+            print(f"{name}: ferrovm {f['per_s']:.0f}/s, qemu {q['per_s']:.0f}/s, "
+                  f"veth {v['per_s']:.0f}/s; ferrovm/qemu {f['per_s'] / q['per_s']:.2f}; "
+                  f"delivered {f['delivered']:.3f} / {q['delivered']:.3f} / {v['delivered']:.3f}",
+                  file=sys.stderr)
     finally:
-        server.kill()
+        for p in servers:
+            p.kill()
         teardown()
     Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

@@ -4,12 +4,19 @@
  *   udpecho client IP PORT WINDOW COUNT SIZE
  *       the veth floor: COUNT datagrams of SIZE bytes, at most WINDOW unanswered, each
  *       answer checked; prints "echoes=N us=T" (no loss expected on a veth pair)
+ *   udpecho sink IP PORT                  count datagrams; one starting with 0xffffffff is
+ *       an end marker, answered with the count since the last marker (u32)
+ *   udpecho blast IP PORT                 a datagram "COUNT SIZE" starts COUNT datagrams
+ *       of SIZE bytes (sequence number first) back to its sender, as fast as they go
+ *   udpecho send IP PORT COUNT SIZE       the floor of sink: prints "received=N us=T"
+ *   udpecho recv IP PORT COUNT SIZE       the floor of blast: prints "received=N us=T"
  */
 #include <arpa/inet.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -43,6 +50,71 @@ int main(int argc, char **argv)
 			if (n >= 0)
 				sendto(s, data, (size_t)n, 0, (struct sockaddr *)&from, fl);
 		}
+	}
+	if (!strcmp(argv[1], "sink") || !strcmp(argv[1], "blast")) {
+		if (bind(s, (struct sockaddr *)&a, sizeof(a)))
+			return perror("bind"), 1;
+		puts("ready");
+		fflush(stdout);
+		unsigned count = 0;
+		for (;;) {
+			struct sockaddr_in from;
+			socklen_t fl = sizeof(from);
+			ssize_t n = recvfrom(s, data, sizeof(data), 0, (struct sockaddr *)&from, &fl);
+			if (n < 4)
+				continue;
+			if (!strcmp(argv[1], "sink")) {
+				unsigned first;
+				memcpy(&first, data, 4);
+				if (first != 0xffffffffu) {
+					count++;
+					continue;
+				}
+				sendto(s, &count, 4, 0, (struct sockaddr *)&from, fl);
+				count = 0;
+				continue;
+			}
+			data[n < 64 ? n : 63] = 0;
+			unsigned total = 0, size = 0;
+			if (sscanf(data, "%u %u", &total, &size) != 2 || size < 8 || size > 1472)
+				continue;
+			for (unsigned i = 0; i < total; i++) {
+				memcpy(back, &i, 4);
+				memset(back + 4, (int)(i & 0xff), size - 4);
+				while (sendto(s, back, size, 0, (struct sockaddr *)&from, fl) < 0)
+					;
+			}
+		}
+	}
+	if (!strcmp(argv[1], "send") || !strcmp(argv[1], "recv")) {
+		if (argc < 6 || connect(s, (struct sockaddr *)&a, sizeof(a)))
+			return 2;
+		long count = atol(argv[4]), size = atol(argv[5]), got = 0;
+		struct timeval tv = { .tv_sec = 1 };
+		setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+		double start = now_us(), last = start;
+		if (!strcmp(argv[1], "send")) {
+			memset(data, 1, (size_t)size);
+			for (long i = 0; i < count; i++)
+				while (send(s, data, (size_t)size, 0) < 0)
+					;
+			unsigned end = 0xffffffffu, received = 0;
+			send(s, &end, 4, 0);
+			if (recv(s, &received, 4, 0) == 4)
+				got = received;
+			last = now_us();
+		} else {
+			snprintf(data, 64, "%ld %ld", count, size);
+			send(s, data, strlen(data), 0);
+			while (got < count && recv(s, back, sizeof(back), 0) > 0) {
+				if (!got)
+					start = now_us();
+				got++;
+				last = now_us();
+			}
+		}
+		printf("received=%ld us=%.0f\n", got, last - start);
+		return 0;
 	}
 	if (argc < 7 || connect(s, (struct sockaddr *)&a, sizeof(a)))
 		return 2;

@@ -10,6 +10,13 @@
  * more than 20 stalls fail.  Duplicates (answers to resent frames) are
  * counted and otherwise ignored.  Prints frames per pair and the rate.
  * `irq=1`: receive queues interrupt by MSI-X (polled otherwise).
+ *
+ * One-way modes for the benchmark: `mode=send` sends `count=` datagrams of
+ * `size=` bytes to the peer's port `sink_port=` (7778), round-robin over
+ * the pairs, then an end marker, and reports how many the host counted;
+ * `mode=recv` asks the peer's port `blast_port=` (7779) for `count=`
+ * datagrams of `size=` bytes and counts what arrives (until all did or
+ * nothing came for 1 s), from the first to the last.
  */
 #include "net.h"
 
@@ -77,6 +84,78 @@ static s64 receive_one(unsigned p, u32 count, u64 *dups)
 	return seq;
 }
 
+static u64 us_since(u64 start)
+{
+	return (rdtsc() - start) / (tsc_hz() / 1000000);
+}
+
+static void one_way_send(u32 count)
+{
+	u16 sink = (u16)cmdline_uint("sink_port", 7778);
+	static u8 payload[1536];
+	u32 size = fixed_size ? fixed_size : 1400;
+	memset(payload, 0x11, size);
+	u64 start = rdtsc();
+	for (u32 i = 0; i < count; i++) {
+		unsigned p = i % pairs;
+		memcpy(payload, &i, 4);
+		u32 flen = udp_frame(frame, net.mac, peer_mac, my_ip, peer_ip, (u16)(46000 + p), sink,
+				     payload, size);
+		if (!net_send(&net, p, frame, flen))
+			fail("pair %u: transmit queue stuck", p);
+	}
+	for (unsigned p = 0; p < pairs; p++)
+		while (net.pair[p].tx_inflight)
+			net_tx_reap(&net, p);
+	u64 us = us_since(start);
+	u32 end = 0xffffffffu, host = 0;
+	u32 flen = udp_frame(frame, net.mac, peer_mac, my_ip, peer_ip, 46100, sink, &end, 4);
+	u64 deadline = net_deadline(2000000);
+	net_send(&net, 0, frame, flen);
+	while (!net_expired(deadline)) {
+		int len = net_recv(&net, 0, rxbuf, 10000);
+		struct rx_frame rx;
+		if (len <= 0 || !parse_frame(rxbuf, (u32)len, &rx) || net_answer_arp(&net, 0, &rx, my_ip))
+			continue;
+		if (rx.type == ETH_P_IP && rx.proto == IPPROTO_UDP && rx.sport == sink && rx.payload_len == 4) {
+			memcpy(&host, rx.payload, 4);
+			break;
+		}
+	}
+	printf("net-stress: sent %u datagrams of %u bytes in %lu us, the host received %u\n", count,
+	       size, us, host);
+}
+
+static void one_way_receive(u32 count)
+{
+	u16 blast = (u16)cmdline_uint("blast_port", 7779);
+	u32 size = fixed_size ? fixed_size : 1400;
+	char request[32];
+	int rlen = snprintf(request, sizeof(request), "%u %u", count, size);
+	u32 flen = udp_frame(frame, net.mac, peer_mac, my_ip, peer_ip, 46200, blast, request, (u32)rlen);
+	net_send(&net, 0, frame, flen);
+	u32 got = 0;
+	u64 first = 0, last = 0, idle = net_deadline(3000000);
+	while (got < count && !net_expired(idle)) {
+		for (unsigned p = 0; p < pairs; p++) {
+			int len = net_recv(&net, p, rxbuf, 0);
+			struct rx_frame rx;
+			if (len <= 0 || !parse_frame(rxbuf, (u32)len, &rx) || net_answer_arp(&net, p, &rx, my_ip))
+				continue;
+			if (rx.type != ETH_P_IP || rx.proto != IPPROTO_UDP || rx.sport != blast)
+				continue;
+			if (rx.payload_len != size)
+				fail("a %u-byte datagram, expected %u", rx.payload_len, size);
+			last = rdtsc();
+			if (!got++)
+				first = last;
+			idle = net_deadline(1000000);
+		}
+	}
+	printf("net-stress: received %u of %u datagrams of %u bytes in %lu us\n", got, count, size,
+	       got ? (last - first) / (tsc_hz() / 1000000) : 0);
+}
+
 static u64 work(u64 arg)
 {
 	(void)arg;
@@ -101,6 +180,16 @@ static u64 work(u64 arg)
 	printf("net-stress: %u queue pairs\n", pairs);
 	if (!net_resolve(&net, 0, my_ip, peer_ip, peer_mac, 10000000))
 		fail("no ARP reply from the peer");
+	size_t mlen;
+	const char *mode = cmdline_arg("mode", &mlen);
+	if (mode && mlen == 4 && !memcmp(mode, "send", 4)) {
+		one_way_send(count);
+		return 0;
+	}
+	if (mode && mlen == 4 && !memcmp(mode, "recv", 4)) {
+		one_way_receive(count);
+		return 0;
+	}
 	u32 sent = 0, done = 0, stalls = 0;
 	u64 dups = 0, resent = 0, start = rdtsc();
 	u64 stall_at = net_deadline(500000);
