@@ -440,7 +440,6 @@ impl Net {
             pending_rx: None,
             tap_failed: None,
             rx_buf: vec![0; MAX_GSO_FRAME],
-            tx_buf: Vec::new(),
         };
         self.workers.spawn(
             format!("virtio-net-q{pair}"),

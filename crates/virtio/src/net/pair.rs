@@ -7,19 +7,20 @@
 //! the driver's next notification of the receive queue delivers the frame. A frame longer
 //! than the chain it lands in is dropped (the chain gets a used length of 0) and counted.
 //!
-//! Transmit: each chain is one frame, header first; it is gathered into a buffer and written
-//! to the tap with one write(2). A chain shorter than the header, or longer than the largest
+//! Transmit: each chain is one frame, header first, written to the tap with one writev(2)
+//! straight from guest memory. A chain shorter than the header, or longer than the largest
 //! frame the negotiated offloads allow, is dropped and counted; either way the chain is
 //! returned to the driver (used length 0), so nothing the guest sends blocks the queue.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::unix::io::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use devices::exit::Waker;
 use virtio_queue::DescriptorChain;
-use vm_memory::GuestMemory;
+use vm_memory::bitmap::BS;
+use vm_memory::{GuestMemory, Permissions, VolatileSlice};
 
 use super::tap::{Tap, VNET_HDR_LEN};
 use super::Shared;
@@ -71,7 +72,6 @@ pub struct PairHandler {
     /// Holds the steering generation at the failure.
     pub tap_failed: Option<u64>,
     pub rx_buf: Vec<u8>,
-    pub tx_buf: Vec<u8>,
 }
 
 impl PairHandler {
@@ -150,22 +150,21 @@ impl PairHandler {
 
     fn transmit<M: GuestMemory>(&mut self, mem: &M, chain: DescriptorChain<&M>) -> u32 {
         let counters = &self.shared.counters;
-        let Ok(mut reader) = chain.reader(mem) else {
+        let Some(slices) = transmit_slices(mem, chain, self.max_tx_frame) else {
             Counters::bump(&counters.tx_malformed);
             return 0;
         };
-        let len = reader.available_bytes();
-        if !(VNET_HDR_LEN..=self.max_tx_frame).contains(&len) {
-            log::debug!("virtio-net: dropping a {len}-byte transmit chain");
-            Counters::bump(&counters.tx_malformed);
-            return 0;
-        }
-        self.tx_buf.resize(len, 0);
-        if reader.read_exact(&mut self.tx_buf).is_err() {
-            Counters::bump(&counters.tx_malformed);
-            return 0;
-        }
-        match self.tap.write_frame(&self.tx_buf) {
+        // Straight from guest memory to the tap: the guards keep the views valid meanwhile.
+        let guards: Vec<_> = slices.iter().map(|s| s.ptr_guard()).collect();
+        let iovecs: Vec<libc::iovec> = guards
+            .iter()
+            .zip(&slices)
+            .map(|(guard, slice)| libc::iovec {
+                iov_base: guard.as_ptr() as *mut libc::c_void,
+                iov_len: slice.len(),
+            })
+            .collect();
+        match self.tap.write_gathered(&iovecs) {
             Ok(_) => Counters::bump(&counters.tx_frames),
             Err(e) => {
                 log::debug!("virtio-net: writing {}: {e}", self.tap.name());
@@ -174,6 +173,28 @@ impl PairHandler {
         }
         0
     }
+}
+
+/// Host views of a transmit chain's buffers; None if a buffer is device-writable or outside
+/// RAM, or the frame (header included) is shorter than the header or longer than `max`.
+fn transmit_slices<'m, M: GuestMemory>(
+    mem: &'m M,
+    chain: DescriptorChain<&'m M>,
+    max: usize,
+) -> Option<Vec<VolatileSlice<'m, BS<'m, M::Bitmap>>>> {
+    let mut slices = Vec::new();
+    let mut total = 0usize;
+    for desc in chain {
+        if desc.is_write_only() {
+            return None;
+        }
+        let len = usize::try_from(desc.len()).ok()?;
+        total = total.checked_add(len).filter(|&t| t <= max)?;
+        for slice in mem.get_slices(desc.addr(), len, Permissions::Read).ok()? {
+            slices.push(slice.ok()?);
+        }
+    }
+    (total >= VNET_HDR_LEN).then_some(slices)
 }
 
 impl<M: GuestMemory> QueueHandler<M> for PairHandler {

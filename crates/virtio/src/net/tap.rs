@@ -167,6 +167,19 @@ impl Tap {
         (&self.file).write(frame)
     }
 
+    /// Writes one frame gathered from `iovecs` (header first) with one writev(2).
+    pub fn write_gathered(&self, iovecs: &[libc::iovec]) -> io::Result<usize> {
+        let count = libc::c_int::try_from(iovecs.len())
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: every iovec names memory valid for reads for the duration of the call (the
+        // caller holds guards on the guest memory they point into); the kernel only reads it.
+        let n = unsafe { libc::writev(self.file.as_raw_fd(), iovecs.as_ptr(), count) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
     /// The descriptor to poll for frames.
     pub fn poll_fd(&self) -> RawFd {
         self.file.as_raw_fd()
