@@ -8,8 +8,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
 use vmm::config::{
-    parse_boot_order, parse_console, parse_disk, parse_memory_size, parse_serial, parse_vsock,
-    IrqChipKind, ShapeGiven, StartFrom, VmConfig, DEFAULT_FIRMWARE,
+    parse_boot_order, parse_console, parse_disk, parse_memory_size, parse_net, parse_serial,
+    parse_vsock, IrqChipKind, ShapeGiven, StartFrom, VmConfig, DEFAULT_FIRMWARE,
 };
 
 #[derive(Parser, Debug)]
@@ -107,9 +107,9 @@ pub struct RunArgs {
     /// `PATH_P` (Firecracker's convention). Linux only.
     #[arg(long, value_name = "cid=N,socket=PATH")]
     pub vsock: Option<String>,
-    /// Network device on a tap interface.
-    #[arg(long, value_name = "tap=NAME")]
-    pub net: Option<String>,
+    /// A virtio-net device on a tap interface (created if it does not exist); repeatable.
+    #[arg(long, value_name = "tap=NAME[,mac=MAC][,queues=N][,vhost=off]")]
+    pub net: Vec<String>,
     /// Serve the control API on this Unix socket.
     #[arg(long, value_name = "PATH")]
     pub api_socket: Option<PathBuf>,
@@ -147,9 +147,13 @@ pub enum SeccompArg {
 
 impl RunArgs {
     pub fn into_config(self) -> anyhow::Result<VmConfig> {
-        let unsupported = [("--net", self.net.is_some())];
-        if let Some((option, _)) = unsupported.iter().find(|(_, given)| *given) {
-            bail!("{option}: not supported yet");
+        let nets: Vec<_> = self
+            .net
+            .iter()
+            .map(|n| parse_net(n))
+            .collect::<Result<_, _>>()?;
+        if !nets.is_empty() && !cfg!(target_os = "linux") {
+            bail!("--net: virtio-net needs a Linux tap device; not supported on this host");
         }
         self.check_restore_options()?;
         let (restore_verify, restore_eager) = (self.restore_verify, self.restore_eager);
@@ -210,6 +214,7 @@ impl RunArgs {
         }
         config.rng = self.rng;
         config.vsock = self.vsock.as_deref().map(parse_vsock).transpose()?;
+        config.nets = nets;
         config.seccomp = match self.seccomp {
             Some(SeccompArg::Off) => sandbox::Mode::Off,
             Some(SeccompArg::Log) => sandbox::Mode::Log,

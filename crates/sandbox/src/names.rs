@@ -170,10 +170,14 @@ fn ioctl_requests() -> Vec<(&'static str, u64)> {
     use libc::{FIOCLEX, FIONBIO, FIONCLEX, FIONREAD, TCGETS, TCSETS, TIOCGWINSZ};
     let tty: &[(&str, u64)] =
         named![TCGETS, TCSETS, TIOCGWINSZ, FIONBIO, FIONREAD, FIOCLEX, FIONCLEX];
+    // The tap device's, for virtio-net's I/O threads.
+    use libc::{TUNSETOFFLOAD, TUNSETQUEUE};
+    let tap: &[(&str, u64)] = named![TUNSETOFFLOAD, TUNSETQUEUE];
     kvm.iter()
         .chain(uffd.iter())
         .chain(block.iter())
         .chain(tty)
+        .chain(tap)
         .copied()
         .collect()
 }

@@ -19,6 +19,8 @@ use vm_memory::GuestMemory;
 
 pub mod block;
 pub mod console;
+#[cfg(target_os = "linux")]
+pub mod net;
 pub mod rng;
 #[cfg(all(test, target_os = "linux"))]
 mod test_driver;

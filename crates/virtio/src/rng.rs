@@ -44,7 +44,7 @@ impl Rng {
 }
 
 /// Fills `buf` from the kernel's random source.
-pub(crate) fn fill_random(buf: &mut [u8]) -> io::Result<()> {
+pub fn fill_random(buf: &mut [u8]) -> io::Result<()> {
     #[cfg(any(target_os = "linux", target_os = "freebsd"))]
     {
         let mut done = 0;

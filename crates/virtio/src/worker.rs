@@ -50,21 +50,30 @@ pub trait QueueHandler<M: GuestMemory>: Send + 'static {
         true
     }
 
+    /// Whether the driver need not notify `queue` after the worker has served it: a
+    /// receive queue that still holds buffers is looked at again when input arrives, so
+    /// the driver's kicks for every buffer it adds (each a VM exit) would be wasted.
+    fn notifications_off(&mut self, _queue: u16) -> bool {
+        false
+    }
+
     /// Wakers besides the queues' own that make the worker re-check every queue.
     fn extra_wakers(&self) -> Vec<Arc<Waker>> {
         Vec::new()
     }
 
-    /// Descriptors besides the wakers (an epoll set of host sockets) polled for readability;
-    /// when one is ready the worker calls [`QueueHandler::extra_ready`], then re-checks every
-    /// queue. Asked once, at spawn.
-    fn extra_fds(&self) -> Vec<RawFd> {
+    /// Descriptors besides the wakers (a tap's, an epoll set of host sockets) whose
+    /// readability makes the worker call [`QueueHandler::fds_ready`] and re-check every
+    /// queue. Asked before every wait, so a handler leaves out an input it cannot take yet
+    /// (no receive buffers) instead of making the worker spin on it.
+    fn poll_fds(&mut self) -> Vec<RawFd> {
         Vec::new()
     }
 
-    /// One of [`QueueHandler::extra_fds`] is readable: consume what made it so (the
-    /// descriptor must not stay readable, or the worker spins).
-    fn extra_ready(&mut self) {}
+    /// One of [`QueueHandler::poll_fds`] is readable. A handler that does not consume the
+    /// input here must leave the descriptor out of its next `poll_fds` or consume it while
+    /// serving, or the worker spins.
+    fn fds_ready(&mut self) {}
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,7 +207,6 @@ impl Worker {
             queues,
             interrupt: config.interrupt,
             extra: handler.extra_wakers(),
-            extra_fds: handler.extra_fds(),
             handler,
         };
         let thread = sandbox::spawn(sandbox::Role::DeviceIo, name.clone(), move || {
@@ -376,8 +384,6 @@ struct WorkerThread<M, H> {
     queues: Vec<ActiveQueue>,
     interrupt: Arc<dyn Interrupt>,
     extra: Vec<Arc<Waker>>,
-    /// The handler's own descriptors, polled after the extra wakers.
-    extra_fds: Vec<RawFd>,
     handler: H,
     /// Queues the driver broke (see [`Interrupt::needs_reset`]): not served until reset.
     halted: Vec<bool>,
@@ -414,13 +420,15 @@ where
     }
 
     /// Blocks in poll(2); returns the readiness of [control, queues..., extra...].
-    fn wait_events(&self) -> io::Result<Vec<bool>> {
+    fn wait_events(&mut self) -> io::Result<Vec<bool>> {
+        let handler_fds = self.handler.poll_fds();
         let fds: Vec<RawFd> = std::iter::once(self.control.waker.poll_fd())
             .chain(self.queues.iter().map(|q| q.notify.poll_fd()))
             .chain(self.extra.iter().map(|w| w.poll_fd()))
-            .chain(self.extra_fds.iter().copied())
+            .chain(handler_fds)
             .collect();
-        poll_readable(&fds)
+        let own = 1 + self.queues.len() + self.extra.len();
+        poll_readable(&fds, own)
     }
 
     fn dispatch(&mut self, ready: &[bool]) {
@@ -441,9 +449,9 @@ where
                 extra_fired = true;
             }
         }
-        let fds_at = 1 + queue_count + self.extra.len();
-        if ready.iter().skip(fds_at).any(|&r| r) {
-            self.handler.extra_ready();
+        let handler_first = 1 + queue_count + self.extra.len();
+        if ready.iter().skip(handler_first).any(|&r| r) {
+            self.handler.fds_ready();
             extra_fired = true;
         }
         if extra_fired {
@@ -500,15 +508,19 @@ where
             if self.control.yield_now.load(Ordering::SeqCst) {
                 break;
             }
+            let index = self.queues[slot].index;
+            if self.handler.notifications_off(index) {
+                break;
+            }
             let queue = &mut self.queues[slot].queue;
             let more = queue.enable_notification(mem).unwrap_or(false);
             // `more` after a pass that served nothing is the normal race with a driver that
             // published a chain while notifications were off (it saw NO_NOTIFY, so it will not
             // notify): one more pass serves it. A second idle pass means the chains cannot be
-            // served now (the handler is not ready, or the ring is unreadable), and looping on
-            // would spin.
+            // served now (the ring is unreadable), and looping on would spin; a handler not
+            // ready for the chains waits for its input instead.
             idle_passes = if served == 0 { idle_passes + 1 } else { 0 };
-            if !more || idle_passes >= 2 {
+            if !more || idle_passes >= 2 || (served == 0 && !self.handler.ready(index)) {
                 break;
             }
         }
@@ -580,8 +592,10 @@ where
     }
 }
 
-/// poll(2) on `fds` for readability, without timeout; retries on EINTR.
-fn poll_readable(fds: &[RawFd]) -> io::Result<Vec<bool>> {
+/// poll(2) on `fds` for readability, without timeout; retries on EINTR. An error on one
+/// of the first `own` descriptors (the worker's wakers) is fatal; one on a handler's
+/// descriptor counts as readiness, and the handler finds the error when it reads.
+fn poll_readable(fds: &[RawFd], own: usize) -> io::Result<Vec<bool>> {
     let mut pollfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|&fd| libc::pollfd {
@@ -602,7 +616,7 @@ fn poll_readable(fds: &[RawFd]) -> io::Result<Vec<bool>> {
         }
     }
     let bad = libc::POLLERR | libc::POLLNVAL;
-    if let Some(p) = pollfds.iter().find(|p| p.revents & bad != 0) {
+    if let Some(p) = pollfds.iter().take(own).find(|p| p.revents & bad != 0) {
         return Err(io::Error::other(format!(
             "descriptor {} is invalid or in error",
             p.fd
@@ -610,7 +624,7 @@ fn poll_readable(fds: &[RawFd]) -> io::Result<Vec<bool>> {
     }
     Ok(pollfds
         .iter()
-        .map(|p| p.revents & (libc::POLLIN | libc::POLLHUP) != 0)
+        .map(|p| p.revents & (libc::POLLIN | libc::POLLHUP | bad) != 0)
         .collect())
 }
 
@@ -635,6 +649,8 @@ mod tests {
         gate: Option<Arc<Mutex<mpsc::Receiver<()>>>>,
         started: Option<mpsc::SyncSender<()>>,
         extra: Vec<Arc<Waker>>,
+        /// Handed out once by `poll_fds`.
+        own_fd: Arc<Mutex<Option<RawFd>>>,
     }
 
     impl Probe {
@@ -647,6 +663,7 @@ mod tests {
                 gate: None,
                 started: None,
                 extra: Vec::new(),
+                own_fd: Arc::default(),
             }
         }
         fn handled(&self) -> Vec<(u16, u16)> {
@@ -680,6 +697,9 @@ mod tests {
         }
         fn extra_wakers(&self) -> Vec<Arc<Waker>> {
             self.extra.clone()
+        }
+        fn poll_fds(&mut self) -> Vec<RawFd> {
+            self.own_fd.lock().unwrap().take().into_iter().collect()
         }
     }
 
@@ -843,6 +863,27 @@ mod tests {
         let head = one_buffer_chain(&mut driver, 0);
         let _worker = spawn(&driver, &probe, false);
         assert_eq!(driver.wait_used(0, 1), vec![(u32::from(head), 7)]);
+    }
+
+    #[test]
+    fn an_error_on_a_handler_descriptor_is_not_fatal() {
+        let mut driver = TestDriver::new(&[16]);
+        let probe = Probe::new();
+        // A pipe whose read end is closed: poll reports POLLERR on the write end.
+        let mut ends = [0; 2];
+        // SAFETY: `ends` has room for the two descriptors pipe(2) returns.
+        assert_eq!(unsafe { libc::pipe(ends.as_mut_ptr()) }, 0);
+        // SAFETY: the read end is ours and not used again.
+        unsafe { libc::close(ends[0]) };
+        *probe.own_fd.lock().unwrap() = Some(ends[1]);
+        let _worker = spawn(&driver, &probe, false);
+        // Past its first look at the queues and into poll(2).
+        std::thread::sleep(Duration::from_millis(50));
+        one_buffer_chain(&mut driver, 0);
+        driver.kick(0);
+        assert_eq!(driver.wait_used(0, 1).len(), 1, "the worker stopped");
+        // SAFETY: the write end is ours; the worker no longer polls it.
+        unsafe { libc::close(ends[1]) };
     }
 
     #[test]

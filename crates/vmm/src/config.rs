@@ -60,6 +60,20 @@ pub const DISK_SERIAL_MAX: usize = 20;
 /// Most queues a disk may have.
 pub const DISK_QUEUES_MAX: u16 = 16;
 
+/// One `--net tap=NAME[,mac=MAC][,queues=N][,vhost=on|off]`: a virtio-net device on a tap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    /// The tap interface, opened or created.
+    pub tap: String,
+    /// The guest's MAC; a locally administered one is made up when none is given.
+    pub mac: Option<[u8; 6]>,
+    /// Queue pairs (VIRTIO_NET_F_MQ above 1).
+    pub queues: u16,
+}
+
+/// Most queue pairs a network device may have.
+pub const NET_QUEUES_MAX: u16 = 16;
+
 /// Where the virtio console's output goes, when there is one (`--console virtio`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ConsoleConfig {
@@ -115,6 +129,8 @@ pub struct VmConfig {
     pub rng: bool,
     /// `--vsock`: a virtio-vsock device.
     pub vsock: Option<VsockConfig>,
+    /// `--net`, in order: each a virtio-net device on a tap.
+    pub nets: Vec<NetConfig>,
     /// `--restore-eager`: copy a snapshot's pages into guest RAM before the guest runs,
     /// instead of mapping the file.
     pub restore_eager: bool,
@@ -153,6 +169,7 @@ impl VmConfig {
             console: ConsoleConfig::Serial,
             rng: false,
             vsock: None,
+            nets: Vec::new(),
             firmware: None,
             boot_order: Vec::new(),
         }
@@ -313,6 +330,77 @@ pub fn parse_vsock(text: &str) -> Result<VsockConfig> {
     }
 }
 
+/// Parses one `--net` value.
+pub fn parse_net(text: &str) -> Result<NetConfig> {
+    let bad = |reason: String| Error::Option {
+        option: "--net",
+        value: text.to_string(),
+        reason,
+    };
+    let mut net = NetConfig {
+        tap: String::new(),
+        mac: None,
+        queues: 1,
+    };
+    for field in text.split(',') {
+        match field.split_once('=') {
+            Some(("tap", name)) if !name.is_empty() && name.len() < 16 => {
+                net.tap = name.to_string()
+            }
+            Some(("tap", _)) => return Err(bad("tap=NAME: 1 to 15 bytes".into())),
+            Some(("mac", mac)) => {
+                net.mac = Some(parse_mac(mac).ok_or_else(|| {
+                    bad(format!(
+                        "mac={mac}: expected six hex bytes like 52:54:00:12:34:56, unicast"
+                    ))
+                })?)
+            }
+            Some(("queues", n)) => {
+                net.queues = n
+                    .parse()
+                    .ok()
+                    .filter(|q| (1..=NET_QUEUES_MAX).contains(q))
+                    .ok_or_else(|| bad(format!("queues={n}: expected 1 to {NET_QUEUES_MAX}")))?
+            }
+            Some(("vhost", "off")) => {}
+            Some(("vhost", "on")) => return Err(bad(vhost_refusal())),
+            _ => return Err(bad(format!("unknown net option {field:?}"))),
+        }
+    }
+    if net.tap.is_empty() {
+        return Err(bad(
+            "expected tap=NAME[,mac=MAC][,queues=N][,vhost=on|off]".into()
+        ));
+    }
+    Ok(net)
+}
+
+/// Why `vhost=on` is refused: ferrovm serves virtio-net in user space only.
+fn vhost_refusal() -> String {
+    if std::path::Path::new("/dev/vhost-net").exists() {
+        "vhost=on: vhost-net is not implemented; ferrovm serves the queues itself (vhost=off)"
+            .into()
+    } else {
+        "vhost=on: /dev/vhost-net does not exist on this host (and ferrovm serves the queues \
+         itself: use vhost=off)"
+            .into()
+    }
+}
+
+/// A unicast MAC written as six colon-separated hex bytes.
+fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next()?;
+        if part.len() != 2 {
+            return None;
+        }
+        *byte = u8::from_str_radix(part, 16).ok()?;
+    }
+    (parts.next().is_none() && mac[0] & 1 == 0).then_some(mac)
+}
+
 /// Parses `--console`.
 pub fn parse_console(text: &str) -> Result<ConsoleConfig> {
     match text {
@@ -421,6 +509,32 @@ mod tests {
             let e = parse_disk(bad).unwrap_err().to_string();
             assert!(e.contains("--disk"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn net_options() {
+        let net = parse_net("tap=tap0,mac=52:54:00:aa:bb:0c,queues=2,vhost=off").unwrap();
+        assert_eq!(net.tap, "tap0");
+        assert_eq!(net.mac, Some([0x52, 0x54, 0, 0xaa, 0xbb, 0x0c]));
+        assert_eq!(net.queues, 2);
+        assert_eq!(parse_net("tap=t").unwrap().queues, 1);
+        for bad in [
+            "",
+            "tap=",
+            "mac=52:54:00:00:00:01",
+            "tap=t,mac=01:00:00:00:00:01",
+            "tap=t,mac=52:54:00:00:00",
+            "tap=t,queues=0",
+            "tap=t,queues=17",
+            "tap=t,vhost=on",
+            "tap=t,speed=10",
+            "tap=abcdefghijklmnopq",
+        ] {
+            let e = parse_net(bad).unwrap_err().to_string();
+            assert!(e.contains("--net"), "{bad}: {e}");
+        }
+        let e = parse_net("tap=t,vhost=on").unwrap_err().to_string();
+        assert!(e.contains("vhost"), "{e}");
     }
 
     #[test]

@@ -127,6 +127,9 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
     if config.rng {
         models.push(("virtio-rng", Box::new(Rng::new())));
     }
+    for net in &config.nets {
+        models.push(("virtio-net", open_net(net)?));
+    }
     if let Some(vsock) = &config.vsock {
         models.push(("virtio-vsock", open_vsock(vsock)?));
     }
@@ -226,6 +229,38 @@ fn open_vsock(_vsock: &crate::config::VsockConfig) -> Result<Box<dyn VirtioDevic
         value: String::new(),
         reason: "virtio-vsock is supported on Linux only".into(),
     })
+}
+
+/// `--net`: a virtio-net device on its tap (Linux only).
+fn open_net(net: &crate::config::NetConfig) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
+    let refuse = |reason: String| Error::Option {
+        option: "--net",
+        value: format!("tap={}", net.tap),
+        reason,
+    };
+    #[cfg(target_os = "linux")]
+    {
+        let mut mac = [0u8; 6];
+        match net.mac {
+            Some(given) => mac = given,
+            None => {
+                // Locally administered, unicast, QEMU's 52:54:00 prefix.
+                mac[..3].copy_from_slice(&[0x52, 0x54, 0x00]);
+                virtio::rng::fill_random(&mut mac[3..]).map_err(|e| refuse(e.to_string()))?;
+            }
+        }
+        let options = virtio::net::NetOptions {
+            tap: net.tap.clone(),
+            mac,
+            queue_pairs: net.queues,
+        };
+        let device = virtio::net::Net::new(options).map_err(|e| refuse(e.to_string()))?;
+        Ok(Box::new(device))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Err(refuse("virtio-net needs a Linux tap device".into()))
+    }
 }
 
 /// `--console virtio`: hvc0 writes where the serial port would.

@@ -10,6 +10,7 @@
 
 mod kit;
 mod vsock;
+mod net;
 
 use core::ffi::{c_char, CStr};
 use core::fmt::Write;

@@ -779,11 +779,11 @@ impl<M: GuestMemory> QueueHandler<M> for Muxer {
         vec![self.rx_kick.clone()]
     }
 
-    fn extra_fds(&self) -> Vec<RawFd> {
+    fn poll_fds(&mut self) -> Vec<RawFd> {
         vec![self.host.epoll.as_raw_fd()]
     }
 
-    fn extra_ready(&mut self) {
+    fn fds_ready(&mut self) {
         let mut events = [EpollEvent::default(); 64];
         let count = match self.host.epoll.wait(0, &mut events) {
             Ok(n) => n,

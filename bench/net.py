@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""virtio-net benchmark: ferrovm against QEMU 7.2 (virtio-net-pci on a tap, vhost off), with
+a veth pair as the floor.
+
+    bench/net.py [--rounds N] [--json FILE]
+
+Needs root (network namespaces) and /dev/kvm; `make guests` first. A namespace holds a
+multiqueue tap (10.0.2.2/24) and bench/udpecho.c echoing UDP on port 7777; the net-stress
+guest (ring 3, polled queues) sends sequence-checked datagrams and reports how long its
+echoes took. Workloads: latency (one datagram of 64 bytes in flight: the round trip
+guest -> tap -> host stack -> echo server -> guest), throughput (1400-byte datagrams, 64 in
+flight, so both directions carry the same bytes) on one queue pair and on two, and one way:
+guest to host (the guest sends as fast as its queue takes them; the host counts what arrived)
+and host to guest (the host sends as fast as it can; the guest counts what arrived, first to
+last). The floor runs the same exchanges between two namespaces over a veth pair (udpecho
+client, send, recv), no VM at all.
+"""
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GUESTS = ROOT / "target/guests"
+FERROVM = str(ROOT / "target/release/ferrovm")
+UDPECHO = str(ROOT / "target/bench/udpecho")
+NS, CLIENT_NS = "fvbench-net", "fvbench-cli"
+WORKLOADS = {
+    "latency": {"pairs": 1, "window": 1, "size": 64, "count": 3000},
+    "throughput": {"pairs": 1, "window": 64, "size": 1400, "count": 30000},
+    "throughput-2q": {"pairs": 2, "window": 64, "size": 1400, "count": 30000},
+    "guest-to-host": {"pairs": 1, "window": 0, "size": 1400, "count": 30000, "mode": "send"},
+    "host-to-guest": {"pairs": 1, "window": 0, "size": 1400, "count": 20000, "mode": "recv"},
+}
+RESULT = re.compile(r"net-stress: (\d+) echoes intact in (\d+) us")
+SENT = re.compile(r"net-stress: sent (\d+) datagrams of \d+ bytes in (\d+) us, the host received (\d+)")
+RECEIVED = re.compile(r"net-stress: received (\d+) of \d+ datagrams of \d+ bytes in (\d+) us")
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def setup():
+    teardown()
+    sh("ip", "netns", "add", NS)
+    sh("ip", "netns", "add", CLIENT_NS)
+    for ns in (NS, CLIENT_NS):
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+    sh("ip", "-n", NS, "tuntap", "add", "dev", "ftap0", "mode", "tap", "vnet_hdr", "multi_queue")
+    # A queue long enough for a whole host-to-guest burst: the host outpaces any guest, and
+    # the figure is how fast the guest takes frames, not how many a short queue drops.
+    sh("ip", "-n", NS, "link", "set", "ftap0", "txqueuelen", "40000")
+    sh("ip", "-n", NS, "addr", "add", "10.0.2.2/24", "dev", "ftap0")
+    sh("ip", "-n", NS, "link", "set", "ftap0", "up")
+    sh("ip", "-n", NS, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1",
+       "netns", CLIENT_NS)
+    sh("ip", "-n", NS, "addr", "add", "10.0.3.2/24", "dev", "veth0")
+    sh("ip", "-n", CLIENT_NS, "addr", "add", "10.0.3.1/24", "dev", "veth1")
+    sh("ip", "-n", NS, "link", "set", "veth0", "up")
+    sh("ip", "-n", CLIENT_NS, "link", "set", "veth1", "up")
+    servers = []
+    for mode, port in (("serve", "7777"), ("sink", "7778"), ("blast", "7779")):
+        p = subprocess.Popen(["ip", "netns", "exec", NS, UDPECHO, mode, "0.0.0.0", port],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        servers.append(p)
+    return servers
+
+
+def teardown():
+    for ns in (NS, CLIENT_NS):
+        sh("ip", "netns", "del", ns, check=False)
+
+
+def guest_args(w):
+    args = f"pairs={w['pairs']} window={w['window']} size={w['size']} count={w['count']}"
+    return args + (f" mode={w['mode']}" if "mode" in w else "")
+
+
+def vmm_cmd(vmm, w):
+    if vmm == "ferrovm":
+        return [FERROVM, "run", "--kernel", str(GUESTS / "net-stress.elf"), "--memory", "256M",
+                "--net", "tap=ftap0,queues=2", "--cmdline", guest_args(w)]
+    # microvm with its PCIe host at ferrovm's ECAM address, as the virtio-blk bench runs it.
+    return ["qemu-system-x86_64", "-accel", "kvm,kernel-irqchip=on",
+            "-M", "microvm,pcie=on,acpi=on,rtc=on", "-m", "256", "-nodefaults", "-nographic",
+            "-no-user-config", "-no-reboot", "-device", "isa-debug-exit,iobase=0xf4,iosize=1",
+            "-serial", "stdio", "-kernel", str(GUESTS / "pvh-only/net-stress.elf"),
+            "-append", guest_args(w) + " ecam=0xe0000000 pci_assign=1",
+            "-netdev", "tap,id=n0,ifname=ftap0,script=no,downscript=no,vhost=off,queues=2",
+            "-device", "virtio-net-pci,netdev=n0,disable-legacy=on,mq=on,vectors=6"]
+
+
+def run_vm(vmm, w):
+    p = subprocess.run(["ip", "netns", "exec", NS] + vmm_cmd(vmm, w), capture_output=True,
+                       text=True, timeout=300)
+    return parse(vmm, w, p.returncode, p.stdout + p.stderr)
+
+
+def parse(who, w, status, out):
+    """(time in us, datagrams that arrived) from a guest's or the floor's output."""
+    mode = w.get("mode")
+    m = (SENT if mode == "send" else RECEIVED if mode == "recv" else RESULT).search(out)
+    if status != 1 or not m:
+        raise RuntimeError(f"{who}: status {status}\n{out}")
+    if mode == "send":
+        return int(m.group(2)), int(m.group(3))
+    if mode == "recv":
+        return int(m.group(2)), int(m.group(1))
+    return int(m.group(2)), int(m.group(1))
+
+
+def run_floor(w):
+    mode = w.get("mode")
+    if mode:
+        port = "7778" if mode == "send" else "7779"
+        p = sh("ip", "netns", "exec", CLIENT_NS, UDPECHO, mode, "10.0.3.2", port,
+               str(w["count"]), str(w["size"]))
+        m = re.search(r"received=(\d+) us=(\d+)", p.stdout)
+        return int(m.group(2)), int(m.group(1))
+    p = sh("ip", "netns", "exec", CLIENT_NS, UDPECHO, "client", "10.0.3.2", "7777",
+           str(w["window"] * w["pairs"]), str(w["count"]), str(w["size"]))
+    return int(float(re.search(r"us=(\d+)", p.stdout).group(1))), w["count"]
+
+
+def figures(w, samples):
+    """Medians: datagrams (echoes, for the echo workloads) per second that arrived, Mbit/s of
+    payload one way, and the round trip for the latency workload."""
+    rates = sorted(n / (us / 1e6) for us, n in samples)
+    rate = statistics.median(rates)
+    return {"per_s": rate, "min_per_s": rates[0], "max_per_s": rates[-1],
+            "rtt_us": 1e6 / rate if w["window"] == 1 else None,
+            "mbit": rate * w["size"] * 8 / 1e6,
+            "delivered": statistics.median(n / w["count"] for _, n in samples)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=str(ROOT / "target/bench/net.json"))
+    args = ap.parse_args()
+    Path(UDPECHO).parent.mkdir(parents=True, exist_ok=True)
+    sh("gcc", "-O2", "-Wall", "-o", UDPECHO, str(ROOT / "bench/udpecho.c"))
+    servers = setup()
+    results = {}
+    try:
+        for name, w in WORKLOADS.items():
+            samples = {"ferrovm": [], "qemu": [], "veth": []}
+            for r in range(args.rounds):
+                # Alternate the order so neither VMM always runs on a warmer host.
+                order = ["ferrovm", "qemu"] if r % 2 == 0 else ["qemu", "ferrovm"]
+                for vmm in order:
+                    samples[vmm].append(run_vm(vmm, w))
+                samples["veth"].append(run_floor(w))
+            results[name] = {"workload": w, "samples": samples,
+                             **{k: figures(w, v) for k, v in samples.items()}}
+            f, q, v = (results[name][k] for k in ("ferrovm", "qemu", "veth"))
+            print(f"{name}: ferrovm {f['per_s']:.0f}/s, qemu {q['per_s']:.0f}/s, "
+                  f"veth {v['per_s']:.0f}/s; ferrovm/qemu {f['per_s'] / q['per_s']:.2f}; "
+                  f"delivered {f['delivered']:.3f} / {q['delivered']:.3f} / {v['delivered']:.3f}",
+                  file=sys.stderr)
+    finally:
+        for p in servers:
+            p.kill()
+        teardown()
+    Path(args.json).write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

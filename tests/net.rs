@@ -1,0 +1,461 @@
+//! virtio-net on a tap, end to end. Each test makes its own network namespace holding a
+//! tap (`ftap0`, address 10.0.2.2/24) and a host-side peer: the namespace's kernel answers
+//! ARP and ICMP for 10.0.2.2, a small Python program echoes UDP on port 7777 and records
+//! every RARP frame the tap carries. ferrovm runs inside the namespace (`ip netns exec`) and
+//! opens the tap; the guests (net-echo, net-stress, net-hostile) drive the device from ring
+//! 3 and report what they saw.
+
+mod common;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const TAP: &str = "ftap0";
+const GUEST_MAC: &str = "52:54:00:12:34:56";
+
+/// The peer: UDP echo on 10.0.2.2:7777, and one "rarp MAC" line per RARP frame on the tap.
+const PEER: &str = r#"
+import socket, sys, threading
+def rarp():
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x8035))
+    s.bind((sys.argv[1], 0))
+    while True:
+        f = s.recv(2048)
+        print("rarp " + ":".join("%02x" % b for b in f[6:12]), flush=True)
+threading.Thread(target=rarp, daemon=True).start()
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+u.bind(("10.0.2.2", 7777))
+print("ready", flush=True)
+while True:
+    data, addr = u.recvfrom(65536)
+    u.sendto(data, addr)
+"#;
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A network namespace with the tap and the peer; removed (with both) on drop.
+struct Peer {
+    ns: String,
+    dir: PathBuf,
+    child: Child,
+}
+
+impl Peer {
+    fn new(name: &str, multi_queue: bool) -> Peer {
+        Peer::with_mac(name, multi_queue, None)
+    }
+
+    /// A peer whose tap has the MAC `mac` (two peers standing for one network share it).
+    fn with_mac(name: &str, multi_queue: bool, mac: Option<&str>) -> Peer {
+        require_kvm();
+        let ns = format!("fvnet-{}-{name}", std::process::id());
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("net-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        ip(&["netns", "add", &ns]);
+        ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        let mut tuntap = vec![
+            "-n", &ns, "tuntap", "add", "dev", TAP, "mode", "tap", "vnet_hdr",
+        ];
+        if multi_queue {
+            tuntap.push("multi_queue");
+        }
+        ip(&tuntap);
+        if let Some(mac) = mac {
+            ip(&["-n", &ns, "link", "set", TAP, "address", mac]);
+        }
+        ip(&["-n", &ns, "addr", "add", "10.0.2.2/24", "dev", TAP]);
+        ip(&["-n", &ns, "link", "set", TAP, "up"]);
+        let script = dir.join("peer.py");
+        std::fs::write(&script, PEER).unwrap();
+        let log = std::fs::File::create(dir.join("peer.log")).unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns, "python3"])
+            .arg(&script)
+            .arg(TAP)
+            .stdout(log)
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the peer");
+        let peer = Peer { ns, dir, child };
+        wait_until(Duration::from_secs(10), "the peer", || {
+            peer.log().contains("ready")
+        });
+        peer
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("peer.log")).unwrap_or_default()
+    }
+
+    /// Starts ferrovm in the namespace: serial output to a file, an API socket if asked.
+    fn start(&self, name: &str, args: &[&str], with_socket: bool) -> Vm {
+        self.start_env(name, args, with_socket, &[])
+    }
+
+    fn start_env(&self, name: &str, args: &[&str], with_socket: bool, env: &[(&str, &str)]) -> Vm {
+        let serial = self.dir.join(format!("{name}.serial"));
+        let socket = self.dir.join(format!("{name}.sock"));
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.ns, FERROVM, "run"])
+            .args(args)
+            .arg("--serial")
+            .arg(format!("file:{}", serial.display()));
+        if with_socket {
+            cmd.arg("--api-socket").arg(&socket);
+        }
+        cmd.envs(env.iter().copied());
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start ferrovm");
+        let mut vm = Vm {
+            child,
+            serial,
+            socket: with_socket.then_some(socket),
+        };
+        if let Some(socket) = vm.socket.clone() {
+            wait_until(Duration::from_secs(20), "the API socket", || {
+                assert!(
+                    vm.child.try_wait().unwrap().is_none(),
+                    "ferrovm exited: {}",
+                    vm.stderr()
+                );
+                socket.exists()
+            });
+        }
+        vm
+    }
+
+    /// Runs `guest` with `--net net` to its end; asserts PASS; returns its output.
+    fn run_guest(&self, guest_name: &str, net: &str, extra: &[&str]) -> String {
+        self.run_guest_env(guest_name, net, extra, &[])
+    }
+
+    fn run_guest_env(
+        &self,
+        guest_name: &str,
+        net: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> String {
+        let kernel = guest(guest_name);
+        let mut args = vec!["--kernel", kernel.to_str().unwrap(), "--net", net];
+        args.extend_from_slice(extra);
+        let mut vm = self.start_env(guest_name, &args, false, env);
+        let (status, stderr) = vm.wait(Duration::from_secs(120));
+        let out = vm.output();
+        assert_eq!(
+            status,
+            Some(1),
+            "status {status:?}\n{out}\n--- stderr\n{stderr}"
+        );
+        assert!(
+            out.trim_end().ends_with("PASS"),
+            "{out}\n--- stderr\n{stderr}"
+        );
+        assert!(!out.contains("FAIL"), "{out}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        out
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Vm {
+    child: Child,
+    serial: PathBuf,
+    socket: Option<PathBuf>,
+}
+
+impl Vm {
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+
+    fn stderr(&mut self) -> String {
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        err
+    }
+
+    fn ctl(&self, args: &[&str]) -> Run {
+        let socket = self.socket.as_ref().unwrap().to_str().unwrap().to_string();
+        let mut all = vec!["ctl", "--api-socket", &socket];
+        all.extend_from_slice(args);
+        ferrovm(&all, Duration::from_secs(60))
+    }
+
+    /// Waits for the VMM to exit (killing it after `limit`): its status and stderr.
+    fn wait(&mut self, limit: Duration) -> (Option<i32>, String) {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return (status.code(), self.stderr());
+            }
+            if start.elapsed() > limit {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("ferrovm did not finish in {limit:?}:\n{}", self.output());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn net(options: &str) -> String {
+    format!("tap={TAP}{options}")
+}
+
+/// ARP, UDP echo and ICMP echo with the peer, received by MSI-X interrupt (irqfd) in both
+/// irqchip modes and polled, with and without mergeable receive buffers; the MAC given on
+/// the command line is the guest's.
+#[test]
+fn echo_with_the_peer_in_both_irqchip_modes() {
+    let peer = Peer::new("echo", false);
+    let mac = net(&format!(",mac={GUEST_MAC}"));
+    for (irqchip, irq, mrg) in [("kernel", 1, 0), ("split", 1, 1), ("kernel", 0, 0)] {
+        let cmdline = format!("mac={GUEST_MAC} rounds=50 pings=5 irq={irq} mrg={mrg}");
+        let out = peer.run_guest(
+            "net-echo",
+            &mac,
+            &["--irqchip", irqchip, "--cmdline", &cmdline],
+        );
+        assert!(out.contains("net-echo: 50 UDP echoes"), "{out}");
+        assert!(out.contains(&format!("net-echo: mac {GUEST_MAC}")), "{out}");
+        assert_eq!(out.contains("net-echo: MSI-X:"), irq == 1, "{out}");
+        let mergeable = if mrg == 1 { "on" } else { "off" };
+        assert!(
+            out.contains(&format!("mergeable receive buffers {mergeable}")),
+            "{out}"
+        );
+    }
+}
+
+/// FERROVM_KERNEL_EVENTFDS=off: notifications as MMIO exits, interrupts from user space.
+#[test]
+fn echo_without_kernel_eventfds() {
+    let peer = Peer::new("noeventfd", false);
+    let out = peer.run_guest_env(
+        "net-echo",
+        &net(""),
+        &["--cmdline", "rounds=50 irq=1"],
+        &[("FERROVM_KERNEL_EVENTFDS", "off")],
+    );
+    assert!(out.contains("net-echo: 50 UDP echoes"), "{out}");
+    assert!(out.contains("net-echo: MSI-X:"), "{out}");
+}
+
+/// Two queue pairs (IFF_MULTI_QUEUE, VIRTIO_NET_F_MQ, VQ_PAIRS_SET 2), 20000 frames of up
+/// to 1400 bytes, 64 in flight per pair, every echo checked; both pairs carry frames.
+#[test]
+fn stress_on_two_queue_pairs() {
+    let peer = Peer::new("stress", true);
+    let out = peer.run_guest(
+        "net-stress",
+        &net(",queues=2"),
+        &["--cmdline", "pairs=2 count=20000 window=64"],
+    );
+    assert!(out.contains("net-stress: 2 queue pairs"), "{out}");
+    assert!(out.contains("20000 echoes intact"), "{out}");
+    for pair in 0..2 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("net-stress: pair {pair}:")))
+            .unwrap_or_else(|| panic!("no line for pair {pair}:\n{out}"));
+        assert!(
+            !line.ends_with("rx 0"),
+            "pair {pair} received nothing: {line}\n{out}"
+        );
+    }
+}
+
+/// Hostile transmit chains and control commands are returned, not obeyed; a head beyond
+/// the queue needs a reset; a frame longer than the receive buffers is dropped (the buffer
+/// used with length 0); good echoes pass after each, and the VMM runs on.
+#[test]
+fn hostile_driver_leaves_the_device_working() {
+    let peer = Peer::new("hostile", false);
+    let out = peer.run_guest("net-hostile", &net(""), &[]);
+    assert!(out.contains("good echo after the reset"), "{out}");
+    assert!(
+        out.contains("good echo after the small receive buffers"),
+        "{out}"
+    );
+}
+
+/// A snapshot mid-stream, the source killed, the restore carries the stream on: the
+/// peer sees RARP frames with the guest's MAC, the guest sees VIRTIO_NET_S_ANNOUNCE and
+/// acknowledges it, and its rounds go on to the end.
+#[test]
+fn snapshot_and_restore_mid_stream_announce_the_guest() {
+    let peer = Peer::new("snapshot", false);
+    let kernel = guest("net-echo");
+    let cmdline = format!("mac={GUEST_MAC} rounds=400 progress=20 pause_us=10000 irq=1");
+    let mac = net(&format!(",mac={GUEST_MAC}"));
+    let args = [
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--net",
+        &mac,
+        "--cmdline",
+        &cmdline,
+    ];
+    let mut source = peer.start("source", &args, true);
+    wait_until(Duration::from_secs(60), "the source's rounds", || {
+        source.output().contains("net-echo: 60 rounds")
+    });
+    let snap = peer.dir.join("vm.snap");
+    source
+        .ctl(&["snapshot", snap.to_str().unwrap()])
+        .expect_status(0);
+    source.kill();
+    assert!(!peer.log().contains("rarp"), "RARP before the restore");
+
+    let restore_args = ["--restore", snap.to_str().unwrap(), "--net", &mac];
+    let mut restored = peer.start("restored", &restore_args, false);
+    let (status, stderr) = restored.wait(Duration::from_secs(120));
+    let out = restored.output();
+    assert_eq!(status, Some(1), "{out}\n--- stderr\n{stderr}");
+    assert!(out.trim_end().ends_with("PASS"), "{out}");
+    assert!(!out.contains("net-echo: mac"), "booted afresh:\n{out}");
+    assert!(out.contains("net-echo: 400 UDP echoes"), "{out}");
+    // With its configuration interrupt (the guest checks it came).
+    assert!(out.contains("net-echo: announced"), "{out}");
+    let rarps = peer
+        .log()
+        .lines()
+        .filter(|l| *l == format!("rarp {GUEST_MAC}"))
+        .count();
+    assert!(rarps >= 3, "{rarps} RARP frames seen:\n{}", peer.log());
+}
+
+/// Bad `--net` values are refused with one line; vhost is not offered.
+#[test]
+fn bad_net_options_are_refused() {
+    let kernel = guest("net-echo");
+    for (value, reason) in [
+        ("tap=", "tap=NAME: 1 to 15 bytes"),
+        ("tap=t,queues=0", "queues=0: expected 1 to 16"),
+        ("tap=t,mac=01:00:00:00:00:01", "mac=01:00:00:00:00:01"),
+        ("tap=t,vhost=on", "vhost=on"),
+        ("tap=t,bogus", "unknown net option"),
+    ] {
+        let r = ferrovm(
+            &["run", "--kernel", kernel.to_str().unwrap(), "--net", value],
+            Duration::from_secs(30),
+        );
+        r.expect_error(reason);
+    }
+}
+
+/// The `virtio-drivers` crate's VirtIONetRaw over its PCI transport: ARP and UDP echoes.
+#[test]
+fn virtio_drivers_guest_echoes() {
+    let peer = Peer::new("vd", false);
+    let out = peer.run_guest("virtio-drivers-net", &net(""), &["--cmdline", "rounds=20"]);
+    assert!(out.contains("vd-net: 20 UDP echoes intact"), "{out}");
+}
+
+/// Links two peers' namespaces with a veth pair: `a` gets 192.168.77.1, `b` .2.
+fn link_namespaces(a: &Peer, b: &Peer) {
+    ip(&[
+        "-n", &a.ns, "link", "add", "mig0", "type", "veth", "peer", "name", "mig1", "netns", &b.ns,
+    ]);
+    ip(&["-n", &a.ns, "addr", "add", "192.168.77.1/24", "dev", "mig0"]);
+    ip(&["-n", &b.ns, "addr", "add", "192.168.77.2/24", "dev", "mig1"]);
+    ip(&["-n", &a.ns, "link", "set", "mig0", "up"]);
+    ip(&["-n", &b.ns, "link", "set", "mig1", "up"]);
+}
+
+/// A live migration from one namespace to another while net-stress runs on two queue
+/// pairs, receiving by MSI-X interrupt: the stream goes on on the destination's tap (the two peers share an address and
+/// a MAC, as one network would), every echo checked; the destination announces the guest
+/// with RARP frames on its tap.
+#[test]
+fn migration_between_namespaces_while_stressed() {
+    const PEER_MAC: &str = "02:00:00:00:00:02";
+    let source_peer = Peer::with_mac("mig-src", true, Some(PEER_MAC));
+    let dest_peer = Peer::with_mac("mig-dst", true, Some(PEER_MAC));
+    link_namespaces(&source_peer, &dest_peer);
+    let mac = net(&format!(",mac={GUEST_MAC},queues=2"));
+    let listen = "tcp:192.168.77.2:47123";
+    let mut dest = dest_peer.start("dest", &["--incoming", listen, "--net", &mac], true);
+    let kernel = guest("net-stress");
+    let args = [
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--net",
+        &mac,
+        "--cmdline",
+        "pairs=2 count=60000 window=4 irq=1",
+    ];
+    let mut source = source_peer.start("source", &args, true);
+    wait_until(Duration::from_secs(30), "the stress to start", || {
+        source.output().contains("net-stress: 2 queue pairs")
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    source.ctl(&["migrate", listen]).expect_status(0);
+    let (status, stderr) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0), "source: {stderr}");
+    assert!(
+        !source.output().contains("PASS"),
+        "the stress ended before the migration"
+    );
+    let (status, stderr) = dest.wait(Duration::from_secs(120));
+    let out = dest.output();
+    assert_eq!(status, Some(1), "{out}\n--- stderr\n{stderr}");
+    assert!(out.contains("60000 echoes intact"), "{out}");
+    if let Some(line) = out.lines().find(|l| l.contains("echoes intact")) {
+        eprintln!("after the migration: {line}");
+    }
+    assert!(out.trim_end().ends_with("PASS"), "{out}");
+    let rarps = dest_peer
+        .log()
+        .matches(&format!("rarp {GUEST_MAC}"))
+        .count();
+    assert!(rarps >= 3, "{rarps} RARP frames on the destination's tap");
+}
