@@ -166,7 +166,7 @@ fn bad_options_are_refused_with_one_line() {
     bad_run(&["run", "--kernel", k, "--serial", "tcp:1"]).expect_error("--serial");
     bad_run(&["run", "--kernel", k, "--disk", "/dev/null"])
         .expect_error("--disk /dev/null: not a regular file or a block device");
-    bad_run(&["run", "--kernel", k, "--net", "tap=t0"]).expect_error("not supported yet");
+    bad_run(&["run", "--kernel", k, "--net", "tap=t0,mtu=9000"]).expect_error("unknown net option");
     bad_run(&["run", "--kernel", k, "--accel", "bhyve"]).expect_error("/dev/vmm");
     bad_run(&["frobnicate"]).expect_error("frobnicate");
 }
