@@ -162,8 +162,11 @@ impl RunArgs {
                 firmware.get_or_insert_with(|| PathBuf::from(DEFAULT_FIRMWARE));
                 StartFrom::Firmware
             }
+            // As Firecracker starts: the configuration comes through the API.
+            (None, None, None) if self.api_socket.is_some() => StartFrom::Api,
             _ => bail!(
-                "give exactly one of --kernel, --firmware (or a --disk), --restore and --incoming"
+                "give exactly one of --kernel, --firmware (or a --disk), --restore and \
+                 --incoming, or --api-socket alone to configure the VM through the API"
             ),
         };
         let boot_order = parse_boot_order(self.boot.as_deref().unwrap_or("disk"), disks.len())?;

@@ -79,6 +79,37 @@ pub enum StartFrom {
     Restore(PathBuf),
     /// An incoming live migration on `HOST:PORT`.
     Incoming(String),
+    /// Nothing yet: the configuration comes through the API (`--api-socket` alone, as
+    /// Firecracker starts).
+    Api,
+}
+
+/// One network interface on a host tap device (`--net tap=NAME[,mac=MAC][,queues=N]`,
+/// Firecracker's `host_dev_name` and `guest_mac`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    pub tap: String,
+    pub mac: Option<[u8; 6]>,
+    pub queues: u16,
+}
+
+/// A virtio-vsock device (`--vsock cid=N,socket=PATH`, Firecracker's `guest_cid` and
+/// `uds_path`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VsockConfig {
+    pub cid: u32,
+    pub socket: PathBuf,
+}
+
+/// Parses a MAC address `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next().filter(|p| p.len() == 2)?;
+        *byte = u8::from_str_radix(part, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
 }
 
 /// Which of the machine's shape options the user gave (rather than left at their default):
@@ -123,6 +154,13 @@ pub struct VmConfig {
     pub firmware: Option<PathBuf>,
     /// `--boot`: the disks the firmware tries, in order, as indices into `disks`.
     pub boot_order: Vec<usize>,
+    /// Network interfaces (not supported yet: refused when the machine is built).
+    pub nets: Vec<NetConfig>,
+    /// The vsock device (not supported yet: refused when the machine is built).
+    pub vsock: Option<VsockConfig>,
+    /// A restored snapshot waits, paused, to be resumed through the API (Firecracker's
+    /// `resume_vm: false`).
+    pub start_paused: bool,
 }
 
 /// The firmware `ferrovm run` uses when a disk is given without a kernel: Debian's SeaBIOS
@@ -152,6 +190,9 @@ impl VmConfig {
             rng: false,
             firmware: None,
             boot_order: Vec::new(),
+            nets: Vec::new(),
+            vsock: None,
+            start_paused: false,
         }
     }
 }
