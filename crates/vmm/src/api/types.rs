@@ -89,6 +89,8 @@ pub struct ReceiveMigrationRequest {
 /// What the snapshot writer reports.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotReport {
+    /// The snapshot file.
+    pub path: String,
     pub paused_ms: u64,
     pub total_ms: u64,
     pub bytes: u64,
@@ -126,8 +128,13 @@ pub struct CancelReply {
     pub cancelled: bool,
 }
 
-/// The reply of a successful `vm.send-migration`: the migration's report.
-pub type MigrationReport = Value;
+/// The reply of a successful `vm.send-migration`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MigrationReport {
+    /// Per round `index`, `duration_ms`, `pages_sent`, `zero_pages`, `bytes_sent`,
+    /// `dirty_pages_found`; `total_ms`, `downtime_ms`, `bytes_total`, `converged`.
+    pub report: Value,
+}
 
 // ---- Firecracker ----
 
@@ -288,22 +295,6 @@ pub struct FcSnapshotLoad {
     /// Run the guest at once; otherwise it waits, paused, for `PATCH /vm`.
     #[serde(default)]
     pub resume_vm: bool,
-}
-
-/// `PUT /logger`: accepted with a log file; ferrovm's log lines go there as well as to
-/// stderr only when given one, so a path is required.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FcLogger {
-    pub log_path: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub level: Option<String>,
-    #[serde(default)]
-    pub show_level: bool,
-    #[serde(default)]
-    pub show_log_origin: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub module: Option<String>,
 }
 
 /// `GET /vm/config`: the configuration as Firecracker reports it.
