@@ -338,14 +338,9 @@ fn link_snapshot(path: &Path, link: &Path) -> Result<()> {
     })
 }
 
-/// A short name of a request, for error messages.
-fn request_name(request: &Request) -> String {
-    let debug = format!("{request:?}");
-    debug
-        .split(['(', ' ', '{'])
-        .next()
-        .unwrap_or("request")
-        .to_string()
+/// A short name of a request, for error messages: its endpoint's path.
+fn request_name(request: &Request) -> &'static str {
+    request::endpoint_of(request)
 }
 
 /// What the migration thread sends back to the API thread that started it.
