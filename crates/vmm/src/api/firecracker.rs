@@ -381,9 +381,15 @@ impl PreBoot {
             Ok(a) => a,
             Err(e) => return PreBootReply::Now(bad(e.to_string())),
         };
+        // The machine must be the source's: vCPUs and memory as PUT /machine-config set them.
         let mut config = self.base.clone();
         config.start = StartFrom::Incoming(address);
-        self.start_with(Ok(config), None)
+        config.cpus = self.machine.vcpu_count;
+        config.memory = self.machine.mem_size_mib * MIB;
+        config.memory_text = format!("{}M", self.machine.mem_size_mib);
+        config.disks = self.drives.iter().map(disk_of).collect();
+        let config = self.devices_into(&mut config).map(|()| config);
+        self.start_with(config, None)
     }
 
     fn start_with(
