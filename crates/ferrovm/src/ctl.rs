@@ -1,7 +1,9 @@
-//! `ferrovm ctl`: one request to a running ferrovm over its API socket.
+//! `ferrovm ctl`: one HTTP request to a running ferrovm over its API socket (the
+//! `/api/v1/` endpoints of docs/api.md, with the types the server uses).
 //!
-//! Every wait has a limit (`--timeout`); a migration's wait is measured between progress
-//! reports, so a long migration that makes progress is never cut off. Ctrl-C during
+//! Every wait has a limit (`--timeout`); a migration's wait is measured between changes of
+//! its progress (asked on other connections), so a long migration that makes progress is
+//! never cut off. Ctrl-C during
 //! `migrate` asks the VMM to cancel the migration. Text from the VMM (which may come from a
 //! migration peer) is printed with its control characters escaped.
 
@@ -239,6 +241,12 @@ fn print_human(request: &CtlRequest, v: &Value) {
         }
         CtlRequest::Migrate { .. } => crate::report::print_migration(v),
         CtlRequest::MigrateCancel => println!("migration cancelled"),
+        CtlRequest::Snapshot { .. } => println!(
+            "snapshot written: {} ({:.1} MiB of pages, guest paused {} ms)",
+            text(&v["path"]),
+            v["bytes"].as_u64().unwrap_or(0) as f64 / 1048576.0,
+            v["paused_ms"].as_u64().unwrap_or(0),
+        ),
         _ => println!("{}", printable(v["state"].as_str().unwrap_or("ok"))),
     }
 }
