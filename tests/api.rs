@@ -670,3 +670,58 @@ fn careless_clients_and_conflicts() {
     assert_eq!(vm.wait().unwrap().code(), Some(0));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A VMM waiting for its configuration answers Firecracker's pre-boot queries, refuses a
+/// start it cannot build and goes on waiting, and ends on SIGTERM like a running one (128 +
+/// 15, its socket removed).
+#[test]
+fn an_unconfigured_vmm_waits_and_ends_on_sigterm() {
+    require_kvm();
+    let dir = scratch("preboot");
+    let socket = dir.join("api.sock");
+    let mut vm = unconfigured_vm(&socket, &dir.join("serial"));
+    let (status, info) = api(&socket, "GET", "/", None);
+    assert_eq!((status, info["state"].as_str()), (200, Some("Not started")));
+    assert_eq!(
+        api(&socket, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#)).0,
+        400
+    );
+    let start = Some(r#"{"action_type":"InstanceStart"}"#);
+    let (status, reply) = api(&socket, "PUT", "/actions", start);
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["fault_message"]
+            .as_str()
+            .unwrap()
+            .contains("no boot source"),
+        "{reply}"
+    );
+    let boot = Some(r#"{"kernel_image_path":"/nonexistent/kernel"}"#);
+    assert_eq!(api(&socket, "PUT", "/boot-source", boot).0, 204);
+    let (status, reply) = api(&socket, "PUT", "/actions", start);
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["fault_message"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/kernel"),
+        "{reply}"
+    );
+    let net = Some(r#"{"iface_id":"eth0","host_dev_name":"tap0","guest_mac":"02:00:00:00:00:01"}"#);
+    assert_eq!(api(&socket, "PUT", "/network-interfaces/eth0", net).0, 204);
+    let (status, reply) = api(&socket, "PUT", "/actions", start);
+    assert_eq!(
+        (status, reply["fault_message"].as_str()),
+        (400, Some("network interfaces: not supported yet"))
+    );
+    let (_, config) = api(&socket, "GET", "/vm/config", None);
+    assert_eq!(
+        config["network-interfaces"][0]["host_dev_name"], "tap0",
+        "{config}"
+    );
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(vm.id() as i32, libc::SIGTERM) };
+    assert_eq!(vm.wait().unwrap().code(), Some(128 + libc::SIGTERM));
+    assert!(!socket.exists(), "the socket is removed");
+    let _ = std::fs::remove_dir_all(&dir);
+}

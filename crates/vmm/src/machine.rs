@@ -89,7 +89,19 @@ fn run_configured_by_api(base: VmConfig) -> Result<Outcome> {
     )));
     crate::api::http::serve(listener, server.clone())?;
     log::info!("waiting for the VM's configuration on {}", path.display());
-    for start in starts {
+    // SIGINT/SIGTERM while waiting end the VMM as they end a running one (the socket removed).
+    let _signals = SignalWatch::install()?;
+    loop {
+        let start = match starts.recv_timeout(std::time::Duration::from_millis(100)) {
+            Ok(start) => start,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                match LAST_SIGNAL.load(Ordering::SeqCst) {
+                    0 => continue,
+                    signo => return Ok(Outcome::Signal(signo)),
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
         let built = check_same_file(start.same_file.as_ref())
             .and_then(|()| Machine::build(&start.config, Some(server.clone())));
         match built.map(|m| m.run()) {
