@@ -352,6 +352,16 @@ fn unconfigured_vm(socket: &std::path::Path, serial: &std::path::Path) -> std::p
     vm
 }
 
+/// A VMM that a failed assertion must not leave running.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The `console` blocks of docs/api.md: `$ ` command lines, each with its expected output.
 fn documented_sessions() -> Vec<Vec<(String, Vec<String>)>> {
     let doc =
@@ -392,7 +402,7 @@ fn the_documented_curl_examples_work() {
             .replace("target/guests/", &format!("{}/", guests.display()))
     };
     for (i, session) in documented_sessions().into_iter().enumerate() {
-        let mut vm = unconfigured_vm(&socket, &dir.join(format!("serial-{i}")));
+        let mut vm = KillOnDrop(unconfigured_vm(&socket, &dir.join(format!("serial-{i}"))));
         for (command, expected) in session {
             let out = Command::new("sh")
                 .arg("-c")
@@ -404,7 +414,7 @@ fn the_documented_curl_examples_work() {
             let want: Vec<String> = expected.iter().map(|l| replace(l)).collect();
             assert_eq!(got, want, "$ {command}");
         }
-        let status = vm.wait().unwrap();
+        let status = vm.0.wait().unwrap();
         assert_eq!(status.code(), Some(0), "session {i} ends with vm.shutdown");
     }
     let _ = std::fs::remove_dir_all(&dir);
