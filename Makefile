@@ -12,7 +12,7 @@ GUESTS_DIR := target/guests
 FERROVM := target/release/ferrovm
 FREEBSD_TARGET := x86_64-unknown-freebsd
 
-.PHONY: all deps build guests run test check-kvm fmt-check clippy check-freebsd \
+.PHONY: all deps build guests run test fcsdk check-kvm fmt-check clippy check-freebsd \
 	check-freebsd-if-installed unit-tests clean bench fuzz fuzz-seeds soak props
 
 all: build
@@ -66,10 +66,16 @@ check-freebsd-if-installed:
 # `make props` draws fresh cases every time.
 PROPTEST_SEED ?= 1
 
-test: deps guests check-kvm fmt-check clippy check-freebsd-if-installed
+# The firecracker-go-sdk test program (tests/fcsdk.rs runs it): Go modules from the Go proxy.
+FCSDK = target/fcsdk
+GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
+fcsdk: deps
+	cd tests/go/fcsdk && GOFLAGS=-mod=mod $(GO) build -o $(CURDIR)/$(FCSDK) .
+
+test: deps guests fcsdk check-kvm fmt-check clippy check-freebsd-if-installed
 	$(CARGO) build --workspace
 	@set -o pipefail; \
-	PROPTEST_RNG_SEED=$(PROPTEST_SEED) FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) $(CARGO) test --workspace --all-targets 2>&1 \
+	FERROVM_FCSDK=$(CURDIR)/$(FCSDK) PROPTEST_RNG_SEED=$(PROPTEST_SEED) FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) $(CARGO) test --workspace --all-targets 2>&1 \
 		| tee target/test.log; status=$$?; \
 	awk '/^test result:/ { p += $$4; f += $$6 } END { printf "tests: %d passed, %d failed\n", p, f }' target/test.log; \
 	exit $$status

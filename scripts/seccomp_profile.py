@@ -20,7 +20,7 @@ ROLES = [
     (r"launcher", "launcher"),
     (r"vcpu\d+", "vcpu"),
     (r"virtio-.*|serial-out", "device-io"),
-    (r"api|api-conn", "api"),
+    (r"api|api-request", "api"),
     (r"migration", "migration"),
     (r"timers|throttle", "timer"),
     (r"snapshot-verify", "restore-verify"),

@@ -337,3 +337,409 @@ fn other_users_are_refused() {
     vm.wait().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A VMM waiting for its configuration on `socket` (`run --api-socket` alone).
+fn unconfigured_vm(socket: &std::path::Path, serial: &std::path::Path) -> std::process::Child {
+    let serial = format!("file:{}", serial.display());
+    let vm = Command::new(FERROVM)
+        .args(["run", "--serial", &serial, "--api-socket"])
+        .arg(socket)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_socket(socket);
+    vm
+}
+
+/// A VMM that a failed assertion must not leave running.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The `console` blocks of docs/api.md: `$ ` command lines, each with its expected output.
+fn documented_sessions() -> Vec<Vec<(String, Vec<String>)>> {
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/api.md")).unwrap();
+    let mut sessions = Vec::new();
+    let mut current: Option<Vec<(String, Vec<String>)>> = None;
+    for line in doc.lines() {
+        match (&mut current, line) {
+            (None, "```console") => current = Some(Vec::new()),
+            (Some(_), "```") => sessions.push(current.take().unwrap()),
+            (Some(steps), l) => match l.strip_prefix("$ ") {
+                Some(command) => steps.push((command.to_string(), Vec::new())),
+                None => steps
+                    .last_mut()
+                    .expect("output before a command")
+                    .1
+                    .push(l.into()),
+            },
+            (None, _) => {}
+        }
+    }
+    assert!(sessions.len() >= 2, "docs/api.md lost its curl examples");
+    sessions
+}
+
+/// Every `curl` example of docs/api.md, run as written against a real VMM (each block in a
+/// VMM of its own, in order: the first writes the snapshot the second loads), so the doc
+/// cannot rot.
+#[test]
+fn the_documented_curl_examples_work() {
+    require_kvm();
+    let dir = scratch("doc");
+    let socket = dir.join("vm.sock");
+    let guests = guest("idle").parent().unwrap().to_path_buf();
+    let replace = |text: &str| {
+        text.replace("/tmp/vm.sock", socket.to_str().unwrap())
+            .replace("/tmp/vm.snap", dir.join("vm.snap").to_str().unwrap())
+            .replace("target/guests/", &format!("{}/", guests.display()))
+    };
+    for (i, session) in documented_sessions().into_iter().enumerate() {
+        let mut vm = KillOnDrop(unconfigured_vm(&socket, &dir.join(format!("serial-{i}"))));
+        for (command, expected) in session {
+            let out = Command::new("sh")
+                .arg("-c")
+                .arg(replace(&command))
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let got: Vec<&str> = stdout.lines().collect();
+            let want: Vec<String> = expected.iter().map(|l| replace(l)).collect();
+            assert_eq!(got, want, "$ {command}");
+        }
+        let status = vm.0.wait().unwrap();
+        assert_eq!(status.code(), Some(0), "session {i} ends with vm.shutdown");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One raw HTTP exchange: writes `request`, returns the status code of the reply and the
+/// reply (`None`: the VMM closed the connection without one).
+fn raw_exchange(socket: &std::path::Path, request: &[u8]) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let _ = stream.write_all(request);
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = stream.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(str::to_string)
+                })
+                .and_then(|n| n.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if body.len() >= length {
+                break;
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&reply).into_owned();
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    Some((status, text))
+}
+
+fn api(
+    socket: &std::path::Path,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let body: Option<serde_json::Value> = body.map(|b| serde_json::from_str(b).unwrap());
+    let answer = vmm::api::client::call(
+        socket,
+        method,
+        path,
+        body.as_ref(),
+        Some(Duration::from_secs(30)),
+    )
+    .unwrap();
+    (answer.status, answer.body)
+}
+
+/// Malformed and careless requests get the status each must get, and the VMM serves on.
+#[test]
+fn malformed_requests_get_their_status() {
+    require_kvm();
+    let dir = scratch("malformed");
+    let socket = dir.join("api.sock");
+    let mut vm = idle_vm(&socket);
+    wait_for_socket(&socket);
+    let put = |path: &str, body: &str| {
+        raw_exchange(
+            &socket,
+            format!(
+                "PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    };
+    let cases: &[(&str, &str, u16, &str)] = &[
+        ("/api/v1/vm.snapshot", "{not json", 400, "bad request body"),
+        (
+            "/api/v1/vm.snapshot",
+            r#"{"destination_url":"relative/path"}"#,
+            400,
+            "absolute",
+        ),
+        (
+            "/api/v1/vm.resume",
+            r#"{"force":true,"extra":1}"#,
+            400,
+            "unknown field `extra`",
+        ),
+        (
+            "/api/v1/vm.send-migration",
+            r#"{"destination_url":"tcp:127.0.0.1:1","local":true}"#,
+            400,
+            "local: not supported",
+        ),
+        ("/api/v1/vm.nothing", "", 404, "no such endpoint"),
+        ("/api/v1/vm.info", "", 405, "PUT is not allowed"),
+        (
+            "/actions",
+            r#"{"action_type":"InstanceStart"}"#,
+            400,
+            "already running",
+        ),
+        (
+            "/actions",
+            r#"{"action_type":"SendCtrlAltDel"}"#,
+            400,
+            "not supported yet",
+        ),
+        (
+            "/drives/a%2Fb",
+            r#"{"drive_id":"a","path_on_host":"/x","is_root_device":false}"#,
+            400,
+            "bad id",
+        ),
+        ("/logger", r#"{"log_path":"/tmp/x"}"#, 400, "not supported"),
+    ];
+    for (path, body, status, needle) in cases {
+        let (got, text) = put(path, body);
+        assert_eq!(got, *status, "PUT {path} {body}: {text}");
+        assert!(text.contains(needle), "PUT {path} {body}: {text}");
+        assert!(text.contains("\"fault_message\""), "{text}");
+    }
+    // A body over 64 KiB: 413, before it is read in full.
+    let big = "x".repeat(100 * 1024);
+    assert_eq!(put("/api/v1/vm.resume", &big).0, 413);
+    // A head over 16 KiB: 431.
+    let huge_header = format!(
+        "GET /api/v1/vm.info HTTP/1.1\r\nHost: x\r\nX-Pad: {}\r\n\r\n",
+        "y".repeat(32 * 1024)
+    );
+    assert_eq!(
+        raw_exchange(&socket, huge_header.as_bytes()).map(|r| r.0),
+        Some(431)
+    );
+    // Not HTTP at all: 400, or the connection closed.
+    if let Some((status, text)) = raw_exchange(&socket, b"\x16\x03\x01 hello\r\n\r\n") {
+        assert_eq!(status, 400, "{text}");
+    }
+    let (status, info) = api(&socket, "GET", "/api/v1/vm.info", None);
+    assert_eq!((status, info["state"].as_str()), (200, Some("running")));
+    ctl(socket.to_str().unwrap(), &["shutdown"]).expect_status(0);
+    vm.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// More than 16 connections get 429 (not a thread each); a client that sends nothing, or a
+/// body that never arrives, is cut off; conflicting state changes get 409 while a migration
+/// hangs on a silent destination, which a cancel ends with the guest running.
+#[test]
+fn careless_clients_and_conflicts() {
+    require_kvm();
+    let dir = scratch("careless");
+    let socket = dir.join("api.sock");
+    let mut vm = idle_vm(&socket);
+    wait_for_socket(&socket);
+    let idle: Vec<_> = (0..16)
+        .map(|_| std::os::unix::net::UnixStream::connect(&socket).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let refused = raw_exchange(&socket, b"GET /api/v1/vm.info HTTP/1.1\r\nHost: x\r\n\r\n");
+    let (status, text) = refused.expect("an answer, not a closed connection");
+    assert_eq!(status, 429, "{text}");
+    // Silent clients are closed after 10 s; then the API serves again.
+    let started = Instant::now();
+    for mut stream in idle {
+        use std::io::Read;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut buf = [0u8; 64];
+        assert!(matches!(stream.read(&mut buf), Ok(0) | Err(_)));
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    // A body announced but never sent: 408 after 10 s.
+    let slow = raw_exchange(
+        &socket,
+        b"PUT /api/v1/vm.resume HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{",
+    );
+    assert_eq!(slow.map(|r| r.0), Some(408));
+
+    // A destination that accepts and never answers: the migration waits on it.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("tcp:{}", silent.local_addr().unwrap());
+    let migrating = {
+        let socket = socket.clone();
+        let body = format!(r#"{{"destination_url":"{url}"}}"#);
+        std::thread::spawn(move || api(&socket, "PUT", "/api/v1/vm.send-migration", Some(&body)))
+    };
+    let _peer = silent.accept().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while api(&socket, "GET", "/api/v1/vm.info", None).1["operation"] != "migration" {
+        assert!(
+            Instant::now() < deadline,
+            "the migration never showed in vm.info"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (method, path, body) in [
+        ("PUT", "/api/v1/vm.resume", None),
+        ("PUT", "/api/v1/vm.pause", None),
+        ("PATCH", "/vm", Some(r#"{"state":"Paused"}"#)),
+        (
+            "PUT",
+            "/api/v1/vm.snapshot",
+            Some(r#"{"destination_url":"file:///tmp/never.snap"}"#),
+        ),
+        (
+            "PUT",
+            "/snapshot/create",
+            Some(r#"{"snapshot_path":"/tmp/never.snap","mem_file_path":"/tmp/never.mem"}"#),
+        ),
+        ("PUT", "/api/v1/vm.shutdown", None),
+    ] {
+        let (status, reply) = api(&socket, method, path, body);
+        assert_eq!(status, 409, "{method} {path}: {reply}");
+        assert_eq!(
+            reply["fault_message"], "a migration is in progress",
+            "{method} {path}"
+        );
+    }
+    assert!(!std::path::Path::new("/tmp/never.snap").exists());
+    let (status, progress) = api(&socket, "GET", "/api/v1/vm.migration-progress", None);
+    assert_eq!((status, progress["active"].as_bool()), (200, Some(true)));
+    assert_eq!(
+        api(&socket, "PUT", "/api/v1/vm.migration-cancel", None).0,
+        200
+    );
+    let (status, reply) = migrating.join().unwrap();
+    assert_eq!(status, 500, "{reply}");
+    assert!(
+        reply["fault_message"]
+            .as_str()
+            .unwrap()
+            .contains("cancelled"),
+        "{reply}"
+    );
+    let (_, info) = api(&socket, "GET", "/api/v1/vm.info", None);
+    assert_eq!(
+        (info["state"].as_str(), info["operation"].as_str()),
+        (Some("running"), None)
+    );
+    // A snapshot of a paused guest works and leaves it paused.
+    assert_eq!(api(&socket, "PUT", "/api/v1/vm.pause", None).0, 200);
+    let snap = dir.join("paused.snap");
+    let body = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
+    let (status, report) = api(&socket, "PUT", "/api/v1/vm.snapshot", Some(&body));
+    assert_eq!(status, 200, "{report}");
+    assert!(report["pages"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(
+        api(&socket, "GET", "/api/v1/vm.info", None).1["state"],
+        "paused"
+    );
+    assert_eq!(api(&socket, "PUT", "/api/v1/vm.shutdown", None).0, 200);
+    assert_eq!(vm.wait().unwrap().code(), Some(0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A VMM waiting for its configuration answers Firecracker's pre-boot queries, refuses a
+/// start it cannot build and goes on waiting, and ends on SIGTERM like a running one (128 +
+/// 15, its socket removed).
+#[test]
+fn an_unconfigured_vmm_waits_and_ends_on_sigterm() {
+    require_kvm();
+    let dir = scratch("preboot");
+    let socket = dir.join("api.sock");
+    let mut vm = unconfigured_vm(&socket, &dir.join("serial"));
+    let (status, info) = api(&socket, "GET", "/", None);
+    assert_eq!((status, info["state"].as_str()), (200, Some("Not started")));
+    assert_eq!(
+        api(&socket, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#)).0,
+        400
+    );
+    let start = Some(r#"{"action_type":"InstanceStart"}"#);
+    let (status, reply) = api(&socket, "PUT", "/actions", start);
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["fault_message"]
+            .as_str()
+            .unwrap()
+            .contains("no boot source"),
+        "{reply}"
+    );
+    let boot = Some(r#"{"kernel_image_path":"/nonexistent/kernel"}"#);
+    assert_eq!(api(&socket, "PUT", "/boot-source", boot).0, 204);
+    let (status, reply) = api(&socket, "PUT", "/actions", start);
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["fault_message"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/kernel"),
+        "{reply}"
+    );
+    let bad_mac =
+        Some(r#"{"iface_id":"eth0","host_dev_name":"tap0","guest_mac":"02:00:00:00:01"}"#);
+    assert_eq!(
+        api(&socket, "PUT", "/network-interfaces/eth0", bad_mac).0,
+        400
+    );
+    let net = Some(r#"{"iface_id":"eth0","host_dev_name":"tap0","guest_mac":"02:00:00:00:00:01"}"#);
+    assert_eq!(api(&socket, "PUT", "/network-interfaces/eth0", net).0, 204);
+    let host_cid = Some(r#"{"guest_cid":2,"uds_path":"/tmp/v.sock"}"#);
+    let (status, reply) = api(&socket, "PUT", "/vsock", host_cid);
+    assert_eq!(status, 400, "{reply}");
+    assert!(reply["fault_message"]
+        .as_str()
+        .unwrap()
+        .contains("guest_cid 2"));
+    let (_, config) = api(&socket, "GET", "/vm/config", None);
+    assert_eq!(
+        config["network-interfaces"][0]["host_dev_name"], "tap0",
+        "{config}"
+    );
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(vm.id() as i32, libc::SIGTERM) };
+    assert_eq!(vm.wait().unwrap().code(), Some(128 + libc::SIGTERM));
+    assert!(!socket.exists(), "the socket is removed");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -52,7 +52,7 @@ pub struct RunArgs {
     #[arg(
         long,
         value_name = "FILE",
-        required_unless_present_any = ["incoming", "restore", "firmware", "disk"]
+        required_unless_present_any = ["incoming", "restore", "firmware", "disk", "api_socket"]
     )]
     pub kernel: Option<PathBuf>,
     /// Boot through a BIOS firmware ROM (default without --kernel, when a --disk is given:
@@ -171,8 +171,11 @@ impl RunArgs {
                 firmware.get_or_insert_with(|| PathBuf::from(DEFAULT_FIRMWARE));
                 StartFrom::Firmware
             }
+            // As Firecracker starts: the configuration comes through the API.
+            (None, None, None) if self.api_socket.is_some() => StartFrom::Api,
             _ => bail!(
-                "give exactly one of --kernel, --firmware (or a --disk), --restore and --incoming"
+                "give exactly one of --kernel, --firmware (or a --disk), --restore and \
+                 --incoming, or --api-socket alone to configure the VM through the API"
             ),
         };
         let boot_order = parse_boot_order(self.boot.as_deref().unwrap_or("disk"), disks.len())?;
@@ -436,4 +439,53 @@ pub fn report_usage_error(err: clap::Error) -> ExitCode {
         .trim_start_matches("error: ");
     eprintln!("ferrovm: {first}");
     ExitCode::from(2)
+}
+
+/// Firecracker's command line, as its SDKs start the VMM (`--api-sock PATH [--id ID]
+/// [--no-seccomp]`): the same as `run --api-socket PATH [--seccomp off]`, the VM then being
+/// configured through the API. Returns `None` for ferrovm's own command line; options of
+/// Firecracker's that ferrovm does not have are refused, never ignored.
+pub fn firecracker_args(
+    args: &[std::ffi::OsString],
+) -> Option<anyhow::Result<Vec<std::ffi::OsString>>> {
+    let first = args.get(1)?.to_str()?;
+    if !matches!(first, "--api-sock" | "--id" | "--no-seccomp") {
+        return None;
+    }
+    Some(translate_firecracker_args(&args[1..]).map(|rest| {
+        let mut out = vec![args[0].clone(), "run".into()];
+        out.extend(rest);
+        out
+    }))
+}
+
+fn translate_firecracker_args(
+    args: &[std::ffi::OsString],
+) -> anyhow::Result<Vec<std::ffi::OsString>> {
+    let mut out = Vec::new();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let mut value = |name: &str| {
+            iter.next()
+                .cloned()
+                .with_context(|| format!("{name}: a value is required"))
+        };
+        match arg.to_str().unwrap_or("") {
+            "--api-sock" => {
+                out.push("--api-socket".into());
+                out.push(value("--api-sock")?);
+            }
+            // The VM's name in Firecracker's logs and metrics; ferrovm has neither.
+            "--id" => {
+                value("--id")?;
+            }
+            "--no-seccomp" => out.extend(["--seccomp".into(), "off".into()]),
+            other => bail!(
+                "{other}: not supported in Firecracker's command line (ferrovm accepts \
+                 --api-sock, --id and --no-seccomp; its own filters replace \
+                 --seccomp-filter)"
+            ),
+        }
+    }
+    Ok(out)
 }

@@ -1,36 +1,45 @@
-//! `ferrovm ctl`: one request to a running ferrovm over its API socket.
+//! `ferrovm ctl`: one HTTP request to a running ferrovm over its API socket (the
+//! `/api/v1/` endpoints of docs/api.md, with the types the server uses).
 //!
-//! Every wait has a limit (`--timeout`); a migration's wait is measured between progress
-//! reports, so a long migration that makes progress is never cut off. Ctrl-C during
+//! Every wait has a limit (`--timeout`); a migration's wait is measured between changes of
+//! its progress (asked on other connections), so a long migration that makes progress is
+//! never cut off. Ctrl-C during
 //! `migrate` asks the VMM to cancel the migration. Text from the VMM (which may come from a
 //! migration peer) is printed with its control characters escaped.
 
-use std::io::{BufRead, BufReader, ErrorKind, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
+use vmm::api::client::{call, Answer, ClientError};
 
 use crate::cli::{CtlArgs, CtlRequest};
 
-/// How often the wait for a reply looks at Ctrl-C.
-const POLL: Duration = Duration::from_millis(200);
+/// How often a migration's progress is asked for (and Ctrl-C looked at).
+const POLL: Duration = Duration::from_millis(500);
 
-fn request_json(request: &CtlRequest) -> anyhow::Result<Value> {
+/// The method, path and body of a request.
+fn http_request(
+    request: &CtlRequest,
+) -> anyhow::Result<(&'static str, &'static str, Option<Value>)> {
     Ok(match request {
-        CtlRequest::Status => json!({"op": "status"}),
-        CtlRequest::Pause => json!({"op": "pause"}),
-        CtlRequest::Resume { force } => json!({"op": "resume", "force": force}),
-        CtlRequest::MigrateCancel => json!({"op": "migrate_cancel"}),
-        CtlRequest::Shutdown => json!({"op": "shutdown"}),
+        CtlRequest::Status => ("GET", "/api/v1/vm.info", None),
+        CtlRequest::Pause => ("PUT", "/api/v1/vm.pause", None),
+        CtlRequest::Resume { force } => ("PUT", "/api/v1/vm.resume", Some(json!({"force": force}))),
+        CtlRequest::MigrateCancel => ("PUT", "/api/v1/vm.migration-cancel", None),
+        CtlRequest::Shutdown => ("PUT", "/api/v1/vm.shutdown", None),
         CtlRequest::Snapshot { file } => {
             // The VMM resolves the path in its own working directory: send it absolute.
             let path = std::path::absolute(file)
                 .with_context(|| format!("snapshot {}", file.display()))?;
-            json!({"op": "snapshot", "path": path})
+            let url = format!("file://{}", path.display());
+            (
+                "PUT",
+                "/api/v1/vm.snapshot",
+                Some(json!({"destination_url": url})),
+            )
         }
         CtlRequest::Migrate {
             destination,
@@ -40,91 +49,120 @@ fn request_json(request: &CtlRequest) -> anyhow::Result<Value> {
             max_time_s,
             auto_converge,
             warm,
-        } => json!({
-            "op": "migrate",
-            "destination": destination,
-            "max_bandwidth": max_bandwidth,
-            "downtime_ms": downtime_ms,
-            "max_rounds": max_rounds,
-            "max_time_s": max_time_s,
-            "auto_converge": auto_converge,
-            "warm": warm,
-        }),
+        } => (
+            "PUT",
+            "/api/v1/vm.send-migration",
+            Some(json!({
+                "destination_url": destination,
+                "max_bandwidth": max_bandwidth,
+                "downtime_ms": downtime_ms,
+                "max_rounds": max_rounds,
+                "max_time_s": max_time_s,
+                "auto_converge": auto_converge,
+                "warm": warm,
+            })),
+        ),
     })
 }
 
-fn connect(socket: &Path, timeout: Duration) -> anyhow::Result<UnixStream> {
-    let stream = UnixStream::connect(socket)
-        .with_context(|| format!("--api-socket {}: cannot connect", socket.display()))?;
-    stream.set_write_timeout(Some(timeout))?;
-    stream.set_read_timeout(Some(POLL.min(timeout)))?;
-    Ok(stream)
+fn send(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Option<Duration>,
+) -> anyhow::Result<Answer> {
+    call(socket, method, path, body, timeout).map_err(|e| match e {
+        ClientError::Connect(e) => {
+            anyhow::anyhow!("--api-socket {}: cannot connect: {e}", socket.display())
+        }
+        ClientError::Timeout(t) => anyhow::anyhow!(
+            "the VMM did not answer within {} s (the request may still complete: see \
+             `ctl status`; a longer wait: --timeout)",
+            t.as_secs()
+        ),
+        other => anyhow::anyhow!("{other}"),
+    })
 }
 
 pub fn run(args: &CtlArgs) -> anyhow::Result<u8> {
-    let request = request_json(&args.request)?;
+    let (method, path, body) = http_request(&args.request)?;
     let timeout = Duration::from_secs(args.timeout);
-    let mut stream = connect(&args.api_socket, timeout)?;
-    let migrating = matches!(args.request, CtlRequest::Migrate { .. });
-    if migrating {
-        interrupt::install()?;
-    }
-    writeln!(stream, "{request}").context("sending the request")?;
-    let mut reader = BufReader::new(stream);
-    let mut progress_shown = false;
-    let mut line = String::new();
-    let mut last_heard = Instant::now();
+    let answer = if matches!(args.request, CtlRequest::Migrate { .. }) {
+        migrate(args, path, body, timeout)?
+    } else {
+        send(&args.api_socket, method, path, body.as_ref(), Some(timeout))?
+    };
+    finish(args, &answer)
+}
+
+/// A migration: the request waits on a thread of its own while this one shows the progress
+/// (asked on other connections), gives up when nothing moved for `timeout`, and asks the VMM
+/// to cancel on Ctrl-C.
+fn migrate(
+    args: &CtlArgs,
+    path: &'static str,
+    body: Option<Value>,
+    timeout: Duration,
+) -> anyhow::Result<Answer> {
+    interrupt::install()?;
+    let socket = args.api_socket.clone();
+    let (tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(send(&socket, "PUT", path, body.as_ref(), None));
+    });
+    let (mut last, mut last_change, mut shown) = (Value::Null, Instant::now(), false);
     loop {
-        if migrating && interrupt::take() {
+        match done.recv_timeout(POLL) {
+            Ok(answer) => {
+                if shown {
+                    eprintln!();
+                }
+                return answer;
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                bail!("the request ended without a reply")
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if interrupt::take() {
             cancel_migration(&args.api_socket, timeout);
         }
-        match reader.read_line(&mut line) {
-            Ok(0) => bail!("the VMM closed the connection without a reply"),
-            Ok(_) if !line.ends_with('\n') => continue,
-            Ok(_) => {}
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                if last_heard.elapsed() >= timeout {
-                    bail!(
-                        "the VMM did not answer within {} s (the request may still complete: \
-                         see `ctl status`; a longer wait: --timeout)",
-                        timeout.as_secs()
-                    );
-                }
-                continue;
+        let progress = send(
+            &args.api_socket,
+            "GET",
+            "/api/v1/vm.migration-progress",
+            None,
+            Some(timeout),
+        )
+        .map(|a| a.body["progress"].clone())
+        .unwrap_or(Value::Null);
+        if progress != last {
+            (last, last_change) = (progress, Instant::now());
+            if !args.json && !last.is_null() {
+                show_progress(&last);
+                shown = true;
             }
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e).context("reading the reply"),
+        } else if last_change.elapsed() >= timeout {
+            bail!(
+                "the migration made no progress for {} s (it may still complete: see `ctl \
+                 status`; a longer wait: --timeout)",
+                timeout.as_secs()
+            );
         }
-        last_heard = Instant::now();
-        let value: Value = serde_json::from_str(&line).context("malformed reply")?;
-        line.clear();
-        if let Some(progress) = value.get("progress") {
-            if !args.json {
-                show_progress(progress);
-                progress_shown = true;
-            }
-            continue;
-        }
-        if progress_shown {
-            eprintln!();
-        }
-        return finish(args, &value);
     }
 }
 
 /// Prints the final reply; fails with its error.
-fn finish(args: &CtlArgs, value: &Value) -> anyhow::Result<u8> {
+fn finish(args: &CtlArgs, answer: &Answer) -> anyhow::Result<u8> {
     if args.json {
-        println!("{value}");
+        println!("{}", answer.body);
     }
-    if value["ok"] != json!(true) {
-        bail!(
-            "{}",
-            printable(value["error"].as_str().unwrap_or("request failed"))
-        );
+    if !answer.is_success() {
+        bail!("{}", printable(&answer.fault()));
     }
     if !args.json {
-        print_human(&args.request, value);
+        print_human(&args.request, &answer.body);
     }
     Ok(0)
 }
@@ -132,19 +170,15 @@ fn finish(args: &CtlArgs, value: &Value) -> anyhow::Result<u8> {
 /// Ctrl-C during a migration: ask the VMM, on a second connection, to cancel it.
 fn cancel_migration(socket: &Path, timeout: Duration) {
     eprintln!("\ncancelling the migration...");
-    let outcome = connect(socket, timeout).and_then(|mut s| {
-        s.set_read_timeout(Some(timeout))?;
-        writeln!(s, "{}", json!({"op": "migrate_cancel"}))?;
-        let mut reply = String::new();
-        BufReader::new(s).read_line(&mut reply)?;
-        Ok(serde_json::from_str::<Value>(&reply)?)
-    });
-    match outcome {
-        Ok(v) if v["ok"] == json!(true) => {}
-        Ok(v) => eprintln!(
-            "cannot cancel: {}",
-            printable(v["error"].as_str().unwrap_or("refused"))
-        ),
+    match send(
+        socket,
+        "PUT",
+        "/api/v1/vm.migration-cancel",
+        None,
+        Some(timeout),
+    ) {
+        Ok(a) if a.is_success() => {}
+        Ok(a) => eprintln!("cannot cancel: {}", printable(&a.fault())),
         Err(e) => eprintln!("cannot cancel: {e}"),
     }
 }
@@ -207,6 +241,12 @@ fn print_human(request: &CtlRequest, v: &Value) {
         }
         CtlRequest::Migrate { .. } => crate::report::print_migration(v),
         CtlRequest::MigrateCancel => println!("migration cancelled"),
+        CtlRequest::Snapshot { .. } => println!(
+            "snapshot written: {} ({:.1} MiB of pages, guest paused {} ms)",
+            text(&v["path"]),
+            v["bytes"].as_u64().unwrap_or(0) as f64 / 1048576.0,
+            v["paused_ms"].as_u64().unwrap_or(0),
+        ),
         _ => println!("{}", printable(v["state"].as_str().unwrap_or("ok"))),
     }
 }

@@ -21,7 +21,16 @@ fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().filter_or("FERROVM_LOG", "warn"))
         .format_timestamp_micros()
         .init();
-    let cli = match Cli::try_parse() {
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    match cli::firecracker_args(&args) {
+        Some(Ok(translated)) => args = translated,
+        Some(Err(err)) => {
+            eprintln!("ferrovm: {}", one_line(&err));
+            return ExitCode::from(STATUS_ERROR);
+        }
+        None => {}
+    }
+    let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(err) => return cli::report_usage_error(err),
     };

@@ -115,7 +115,7 @@ roles! {
     /// Device I/O: virtio queue workers (block, rng, console), the virtio console's input
     /// reader, the serial port's output writer.
     DeviceIo = "device-io",
-    /// The control API: the accept loop and one thread per connection.
+    /// The control API: the HTTP event loop and one thread per request in progress.
     Api = "api",
     /// A snapshot or an outgoing migration (started by an API request).
     Migration = "migration",

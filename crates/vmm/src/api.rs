@@ -1,20 +1,31 @@
-//! The control API: JSON lines over a Unix socket (protocol in docs/api.md).
+//! The control API: HTTP/1.1 on a Unix socket (docs/api.md, docs/api.yaml).
 //!
-//! One request per line, one reply per line. Long requests (migrate) may send `progress`
-//! lines before their final reply. Each connection is served on its own thread, so `status`
-//! answers while a migration runs.
+//! - [`request`] decodes method, path and body into a [`Request`] (pure, fuzzed);
+//! - [`http`] is the transport: hyper on a current-thread tokio runtime on the API thread,
+//!   with limits on connections, sizes and time;
+//! - this module answers requests: [`Server`] holds the phase of the VMM (waiting for its
+//!   configuration, as Firecracker does, or running a machine, whose state changes go through
+//!   [`Supervisor`]);
+//! - [`firecracker`] keeps the configuration set through Firecracker's pre-boot endpoints;
+//! - [`client`] is the blocking client `ferrovm ctl` and the tests use.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
+pub mod client;
+pub mod firecracker;
+pub mod http;
+pub mod request;
+pub mod types;
+
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
 use devices::exit::{ExitReason, ExitRequest};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
 use crate::runstate::{MigrationCancel, RunState, Supervisor};
+pub use request::{parse_request, Refusal, Request};
+use types::*;
 
 /// What a request may ask of the machine beyond pausing it.
 pub trait MachineOps: Send + Sync {
@@ -34,9 +45,18 @@ pub trait MachineOps: Send + Sync {
     ) -> Result<Value>;
 }
 
-#[derive(Debug, Clone, Deserialize)]
+/// `PUT /api/v1/vm.send-migration`: Cloud Hypervisor's `destination_url` and ferrovm's knobs.
+/// New knobs must have a default (older clients leave them out).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
+    /// `tcp:HOST:PORT`.
+    #[serde(rename = "destination_url", alias = "destination")]
     pub destination: String,
+    /// Cloud Hypervisor's same-host migration: only `false`.
+    #[serde(default)]
+    pub local: bool,
+    /// Bytes per second.
     #[serde(default)]
     pub max_bandwidth: Option<u64>,
     #[serde(default)]
@@ -52,37 +72,71 @@ pub struct MigrateRequest {
     pub warm: bool,
 }
 
-/// One control request, as [`parse_request`] reads it.
-#[derive(Debug, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum Request {
-    Status,
-    Pause,
-    Resume {
-        /// Resume even though the last migration's outcome is unknown.
-        #[serde(default)]
-        force: bool,
-    },
-    Shutdown,
-    Snapshot {
-        path: PathBuf,
-    },
-    Migrate(MigrateRequest),
-    MigrateCancel,
-}
-
-/// Parses one request line (untrusted bytes from the socket; no I/O, so it can be fuzzed).
-pub fn parse_request(line: &[u8]) -> Result<Request> {
-    serde_json::from_slice(line).map_err(|e| Error::Control(format!("bad request: {e}")))
-}
-
 /// What the API reports about the machine.
+#[derive(Clone, Debug)]
 pub struct MachineInfo {
     pub vcpus: u32,
     pub memory: u64,
     pub irqchip: &'static str,
 }
 
+/// A reply: status, JSON body (none for 204), and the exit to request once it is written.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Option<Value>,
+    pub then_exit: Option<ExitReason>,
+}
+
+impl Reply {
+    fn ok(body: impl Serialize) -> Self {
+        Reply {
+            status: 200,
+            body: Some(serde_json::to_value(body).unwrap_or(Value::Null)),
+            then_exit: None,
+        }
+    }
+
+    fn no_content() -> Self {
+        Reply {
+            status: 204,
+            body: None,
+            then_exit: None,
+        }
+    }
+
+    /// An error reply: `{"fault_message": ...}`.
+    pub fn fault(status: u16, message: impl Into<String>) -> Self {
+        Reply {
+            status,
+            body: Some(json!({"fault_message": message.into()})),
+            then_exit: None,
+        }
+    }
+
+    fn from_error(e: &Error) -> Self {
+        let status = match e {
+            // Refused for the machine's state: nothing happened, it may be sent again later.
+            Error::Conflict(_) => 409,
+            Error::Migration(_)
+            | Error::MigrationOutcomeUnknown(_)
+            | Error::Io(_)
+            | Error::State(_)
+            | Error::Sandbox(_) => 500,
+            _ => 400,
+        };
+        Reply::fault(status, e.to_string())
+    }
+
+    fn from_result<T: Serialize>(r: Result<T>) -> Self {
+        match r {
+            Ok(v) => Reply::ok(v),
+            Err(e) => Reply::from_error(&e),
+        }
+    }
+}
+
+/// A running machine, as the API sees it.
 pub struct Api {
     pub supervisor: Arc<Supervisor>,
     pub exit: Arc<ExitRequest>,
@@ -91,6 +145,23 @@ pub struct Api {
     pub migration: Mutex<Option<Value>>,
     /// The serial console's output queue, for the count of bytes dropped.
     pub serial: Option<Arc<devices::output::OutputQueue>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `file:///abs` or `/abs` to an absolute path.
+fn url_path(field: &str, url: &str) -> std::result::Result<PathBuf, Reply> {
+    let path = url.strip_prefix("file://").unwrap_or(url);
+    if path.starts_with('/') {
+        Ok(PathBuf::from(path))
+    } else {
+        Err(Reply::fault(
+            400,
+            format!("{field} {url:?}: expected file:///ABSOLUTE/PATH or an absolute path"),
+        ))
+    }
 }
 
 impl Api {
@@ -104,81 +175,172 @@ impl Api {
         }
     }
 
-    fn status(&self) -> Value {
-        let (state, busy) = self.supervisor.status();
-        let state = if self.exit.is_requested() {
+    /// The run state, `Stopping` once the guest or the operator ended the machine.
+    fn state(&self) -> RunState {
+        let (state, _) = self.supervisor.status();
+        if self.exit.is_requested() {
             RunState::Stopping
         } else {
             state
-        };
-        json!({
-            "ok": true,
-            "state": state.name(),
-            "operation": busy.map(|op| op.name()),
-            "vcpus": self.info.vcpus,
-            "memory_bytes": self.info.memory,
-            "irqchip": self.info.irqchip,
-            "migration": self.migration.lock().unwrap_or_else(|e| e.into_inner()).clone(),
-            "serial_dropped_bytes": self.serial.as_ref().map_or(0, |q| q.dropped()),
-        })
+        }
     }
 
-    fn state_reply(state: RunState) -> Value {
-        json!({"ok": true, "state": state.name()})
+    fn progress(&self) -> Option<MigrationProgress> {
+        lock(&self.migration)
+            .clone()
+            .and_then(|v| serde_json::from_value(v).ok())
     }
 
-    /// Serves one request: the reply, and the exit to request once the reply has been
-    /// written (so that the client hears about it before the process ends).
-    fn handle(&self, line: &str, stream: &mut UnixStream) -> (Value, Option<ExitReason>) {
-        let request = match parse_request(line.as_bytes()) {
-            Ok(r) => r,
-            Err(e) => return (error_reply(&e.to_string()), None),
-        };
-        let mut then_exit = None;
+    pub fn info(&self) -> VmInfo {
+        let (_, busy) = self.supervisor.status();
+        VmInfo {
+            state: self.state().name().into(),
+            operation: busy.map(|op| op.name().into()),
+            vcpus: self.info.vcpus,
+            memory_bytes: self.info.memory,
+            irqchip: self.info.irqchip.into(),
+            migration: self.progress(),
+            serial_dropped_bytes: self.serial.as_ref().map_or(0, |q| q.dropped()),
+        }
+    }
+
+    fn state_reply(state: RunState) -> StateReply {
+        StateReply {
+            state: state.name().into(),
+        }
+    }
+
+    /// Firecracker's name of the state.
+    pub fn fc_state(&self) -> &'static str {
+        match self.state() {
+            RunState::Running => "Running",
+            _ => "Paused",
+        }
+    }
+
+    /// Serves a request to a running machine.
+    fn handle(&self, request: Request) -> Reply {
         let sup = &self.supervisor;
-        let result = match request {
-            Request::Status => return (self.status(), None),
-            Request::Pause => sup.pause().map(Self::state_reply),
-            Request::Resume { force } => sup.resume(force).map(Self::state_reply),
-            Request::Shutdown => sup.shutdown().map(|()| {
-                then_exit = Some(ExitReason::PowerOff);
-                Self::state_reply(RunState::Stopping)
+        match request {
+            Request::Info => Reply::ok(self.info()),
+            Request::Pause => Reply::from_result(sup.pause().map(Self::state_reply)),
+            Request::Resume(r) => Reply::from_result(sup.resume(r.force).map(Self::state_reply)),
+            Request::Shutdown => match sup.shutdown() {
+                Ok(()) => Reply {
+                    then_exit: Some(ExitReason::PowerOff),
+                    ..Reply::ok(Self::state_reply(RunState::Stopping))
+                },
+                Err(e) => Reply::from_error(&e),
+            },
+            Request::Snapshot(r) => match url_path("destination_url", &r.destination_url) {
+                Ok(path) => Reply::from_result(self.snapshot(path, None)),
+                Err(reply) => reply,
+            },
+            Request::SendMigration(r) => self.migrate(r),
+            Request::MigrationProgress => Reply::ok(MigrationStatus {
+                active: lock(&self.migration).is_some()
+                    || sup.status().1 == Some(crate::runstate::Operation::Migration),
+                progress: self.progress(),
             }),
-            Request::Snapshot { path } => {
-                on_migration_thread(sup, move |sup, _| sup.snapshot(&path), |_| {})
-            }
-            Request::MigrateCancel => sup
-                .cancel_migration()
-                .map(|()| json!({"ok": true, "cancelled": true})),
-            Request::Migrate(req) => {
-                let mut progress = |p: Value| {
-                    *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
-                    let _ = writeln!(stream, "{}", json!({"progress": p}));
-                };
-                let result = on_migration_thread(
-                    sup,
-                    move |sup, progress| sup.migrate(&req, progress),
-                    &mut progress,
-                );
-                *self.migration.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                if result.is_ok() {
-                    // The destination runs the guest now: this copy must never run
-                    // again (its vCPUs stay paused until the process ends).
-                    then_exit = Some(ExitReason::Migrated);
+            Request::MigrationCancel => Reply::from_result(
+                sup.cancel_migration()
+                    .map(|()| CancelReply { cancelled: true }),
+            ),
+            Request::FcPatchVm(r) => match r.state.as_str() {
+                "Paused" => Reply::from_result(sup.pause().map(Self::state_reply)).or_no_content(),
+                "Resumed" => {
+                    Reply::from_result(sup.resume(false).map(Self::state_reply)).or_no_content()
                 }
-                result
-            }
-        };
-        let reply = match result {
-            Ok(v) => v,
-            // Refused for the machine's state (HTTP's 409), not failed: nothing happened.
-            Err(e @ Error::Conflict(_)) => {
-                json!({"ok": false, "error": e.to_string(), "conflict": true})
-            }
-            Err(e) => error_reply(&e.to_string()),
-        };
-        (reply, then_exit)
+                other => Reply::fault(400, format!("state {other:?}: expected Paused or Resumed")),
+            },
+            Request::FcSnapshotCreate(r) => firecracker::create_snapshot(&r, |path, link| {
+                self.snapshot(path.to_path_buf(), link.map(Path::to_path_buf))
+            }),
+            Request::FcAction(a) if a.action_type == "SendCtrlAltDel" => Reply::fault(
+                400,
+                "SendCtrlAltDel: not supported yet (ferrovm's i8042 has no keyboard input); \
+                 PUT /api/v1/vm.shutdown powers the guest off",
+            ),
+            other => Reply::fault(
+                400,
+                format!("{}: the VM is already running", request_name(&other)),
+            ),
+        }
     }
+
+    /// Writes a snapshot at `path`; `link`: a second name to give it (Firecracker's memory
+    /// file), replacing only a regular file there.
+    fn snapshot(&self, path: PathBuf, link: Option<PathBuf>) -> Result<Value> {
+        let work = move |sup: &Supervisor, _: &mut dyn FnMut(Value)| {
+            let report = sup.snapshot(&path)?;
+            if let Some(link) = link {
+                link_snapshot(&path, &link)?;
+            }
+            Ok(report)
+        };
+        on_migration_thread(&self.supervisor, work, |_| {})
+    }
+
+    fn migrate(&self, request: MigrateRequest) -> Reply {
+        if request.local {
+            return Reply::fault(400, "local: not supported (ferrovm migrates over TCP)");
+        }
+        let progress = |p: Value| *lock(&self.migration) = Some(p);
+        let result = on_migration_thread(
+            &self.supervisor,
+            move |sup, progress| sup.migrate(&request, progress),
+            progress,
+        );
+        *lock(&self.migration) = None;
+        let mut reply = Reply::from_result(result);
+        if reply.status == 200 {
+            // The destination runs the guest now: this copy must never run again (its vCPUs
+            // stay paused until the process ends).
+            reply.then_exit = Some(ExitReason::Migrated);
+        }
+        reply
+    }
+}
+
+impl Reply {
+    /// A success without a body (Firecracker's 204), or the error as it was.
+    fn or_no_content(self) -> Self {
+        if self.status == 200 {
+            Reply::no_content()
+        } else {
+            self
+        }
+    }
+}
+
+/// Makes `link` a second name of the snapshot at `path`.
+fn link_snapshot(path: &Path, link: &Path) -> Result<()> {
+    let fail = |reason: String| Error::File {
+        path: link.to_path_buf(),
+        reason,
+    };
+    match std::fs::symlink_metadata(link) {
+        Ok(m) if m.file_type().is_file() => {
+            std::fs::remove_file(link).map_err(|e| fail(format!("cannot replace it: {e}")))?
+        }
+        Ok(m) => {
+            return Err(fail(format!(
+                "exists and is {}: refusing to replace it",
+                crate::files::kind_of(m.file_type())
+            )))
+        }
+        Err(_) => {}
+    }
+    std::fs::hard_link(path, link).map_err(|e| {
+        fail(format!(
+            "cannot link it to the snapshot (it must be on the snapshot's file system): {e}"
+        ))
+    })
+}
+
+/// A short name of a request, for error messages: its endpoint's path.
+fn request_name(request: &Request) -> &'static str {
+    request::endpoint_of(request)
 }
 
 /// What the migration thread sends back to the API thread that started it.
@@ -189,13 +351,13 @@ enum Step {
 
 /// Runs a snapshot or a migration on a thread of its own (role `migration`): the API threads,
 /// which parse what clients send, are then not allowed the file and network calls it makes.
-/// Its progress reports come back here, to `progress`, which writes them to the client.
+/// Its progress reports come back here, to `progress`.
 fn on_migration_thread(
     supervisor: &Arc<Supervisor>,
     work: impl FnOnce(&Supervisor, &mut dyn FnMut(Value)) -> Result<Value> + Send + 'static,
     mut progress: impl FnMut(Value),
 ) -> Result<Value> {
-    let (tx, steps) = std::sync::mpsc::channel();
+    let (tx, steps) = mpsc::channel();
     let sup = supervisor.clone();
     sandbox::spawn(sandbox::Role::Migration, "migration", move || {
         let reports = tx.clone();
@@ -217,65 +379,121 @@ fn on_migration_thread(
     ))
 }
 
-fn error_reply(message: &str) -> Value {
-    json!({"ok": false, "error": message})
+/// The phase of the VMM the API serves.
+enum Phase {
+    /// Waiting for its configuration (`run --api-socket` alone, as Firecracker starts).
+    PreBoot(Box<firecracker::PreBoot>),
+    Running(Arc<Api>),
 }
 
-/// Serves the API until the process exits.
-pub fn serve(listener: UnixListener, api: Arc<Api>) -> std::io::Result<()> {
-    sandbox::spawn(sandbox::Role::Api, "api", move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { continue };
-            let api = api.clone();
-            let _ = sandbox::spawn(sandbox::Role::Api, "api-conn", move || {
-                serve_connection(stream, &api)
-            });
+/// What the API serves: the pre-boot configuration, then the running machine.
+pub struct Server {
+    phase: Mutex<Phase>,
+    /// The reply to the `InstanceStart` (or snapshot load, restore, receive) that is starting
+    /// the machine: sent when the machine runs or fails to start.
+    pending_start: Mutex<Option<mpsc::Sender<std::result::Result<(), String>>>>,
+    /// The configuration set through Firecracker's endpoints, for `GET /vm/config`.
+    fc_config: Mutex<Option<FcFullConfig>>,
+}
+
+impl Server {
+    /// A server for a machine that runs already.
+    pub fn running(api: Arc<Api>) -> Self {
+        Server {
+            phase: Mutex::new(Phase::Running(api)),
+            pending_start: Mutex::new(None),
+            fc_config: Mutex::new(None),
         }
-    })?;
-    Ok(())
-}
-
-/// Answers the first request of a client that may not use the API with the reason, and
-/// closes the connection.
-fn refuse_connection(mut stream: UnixStream, who: &str) {
-    log::warn!("API: refused a connection from {who}");
-    let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(1)));
-    let mut line = String::new();
-    let _ = BufReader::new((&stream).take(1 << 20)).read_line(&mut line);
-    let reply = error_reply("permission denied: this API serves its own user and root only");
-    let _ = writeln!(stream, "{reply}");
-}
-
-fn serve_connection(stream: UnixStream, api: &Api) {
-    match crate::socket::peer_allowed(&stream) {
-        Ok(true) => {}
-        Ok(false) => return refuse_connection(stream, "another user"),
-        Err(e) => return refuse_connection(stream, &format!("an unknown user ({e})")),
     }
-    let Ok(reader_half) = stream.try_clone() else {
-        return;
-    };
-    let mut writer = stream;
-    // Bounded lines: a client cannot make the VMM buffer without limit.
-    let mut reader = BufReader::new(reader_half.take(1 << 20));
-    let mut line = String::new();
-    loop {
-        line.clear();
-        match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
+
+    /// A server waiting for its configuration.
+    pub fn pre_boot(pre_boot: firecracker::PreBoot) -> Self {
+        Server {
+            phase: Mutex::new(Phase::PreBoot(Box::new(pre_boot))),
+            pending_start: Mutex::new(None),
+            fc_config: Mutex::new(None),
         }
-        if line.trim().is_empty() {
-            continue;
+    }
+
+    /// The machine runs: from now on requests go to it, and the request that started it
+    /// gets its reply.
+    pub fn attach(&self, api: Arc<Api>) {
+        *lock(&self.phase) = Phase::Running(api);
+        if let Some(tx) = lock(&self.pending_start).take() {
+            let _ = tx.send(Ok(()));
         }
-        let (reply, then_exit) = api.handle(line.trim(), &mut writer);
-        let written = writeln!(writer, "{reply}").and_then(|()| writer.flush());
-        // Whether or not the client is still there to read it.
-        if let Some(reason) = then_exit {
+    }
+
+    /// Ends the machine (a shutdown or a migration whose reply has been written).
+    pub fn request_exit(&self, reason: ExitReason) {
+        if let Phase::Running(api) = &*lock(&self.phase) {
             api.exit.request(reason);
         }
-        if written.is_err() {
-            return;
+    }
+
+    /// Whether a machine was attached.
+    pub fn is_running(&self) -> bool {
+        matches!(*lock(&self.phase), Phase::Running(_))
+    }
+
+    /// The machine could not be built: the request that asked for it gets the error, and
+    /// the server goes on waiting for a configuration.
+    pub fn start_failed(&self, error: String) {
+        if let Phase::PreBoot(p) = &mut *lock(&self.phase) {
+            p.starting = false;
+        }
+        if let Some(tx) = lock(&self.pending_start).take() {
+            let _ = tx.send(Err(error));
+        }
+    }
+
+    /// Answers one request.
+    pub fn handle(&self, request: Request) -> Reply {
+        if let Request::Ping = request {
+            return Reply::ok(VmmPing {
+                version: env!("CARGO_PKG_VERSION").into(),
+                pid: std::process::id(),
+            });
+        }
+        let mut phase = lock(&self.phase);
+        let pre_boot = match &mut *phase {
+            Phase::Running(api) => {
+                let api = api.clone();
+                drop(phase);
+                return self.handle_running(&api, request);
+            }
+            Phase::PreBoot(p) => p,
+        };
+        match pre_boot.handle(request) {
+            firecracker::PreBootReply::Now(reply) => reply,
+            firecracker::PreBootReply::Start(waiter) => {
+                *lock(&self.pending_start) = Some(waiter.reply);
+                *lock(&self.fc_config) = Some(waiter.config);
+                drop(phase);
+                match waiter.started.recv() {
+                    Ok(Ok(())) => Reply::no_content(),
+                    Ok(Err(e)) => Reply::fault(400, format!("the VM could not start: {e}")),
+                    Err(_) => Reply::fault(500, "the VMM ended while starting the VM"),
+                }
+            }
+        }
+    }
+
+    fn handle_running(&self, api: &Api, request: Request) -> Reply {
+        match request {
+            Request::FcInstanceInfo => Reply::ok(FcInstanceInfo {
+                app_name: "ferrovm".into(),
+                id: "ferrovm".into(),
+                state: api.fc_state().into(),
+                vmm_version: env!("CARGO_PKG_VERSION").into(),
+            }),
+            Request::FcVersion => Reply::ok(firecracker::version()),
+            Request::FcGetMachineConfig => Reply::ok(firecracker::machine_config_of(&api.info)),
+            Request::FcVmConfig => match lock(&self.fc_config).clone() {
+                Some(config) => Reply::ok(config),
+                None => Reply::ok(firecracker::full_config_of(&api.info)),
+            },
+            other => api.handle(other),
         }
     }
 }

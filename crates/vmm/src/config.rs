@@ -93,6 +93,9 @@ pub enum StartFrom {
     Restore(PathBuf),
     /// An incoming live migration on `HOST:PORT`.
     Incoming(String),
+    /// Nothing yet: the configuration comes through the API (`--api-socket` alone, as
+    /// Firecracker starts).
+    Api,
 }
 
 /// Which of the machine's shape options the user gave (rather than left at their default):
@@ -141,6 +144,9 @@ pub struct VmConfig {
     pub firmware: Option<PathBuf>,
     /// `--boot`: the disks the firmware tries, in order, as indices into `disks`.
     pub boot_order: Vec<usize>,
+    /// A restored snapshot waits, paused, to be resumed through the API (Firecracker's
+    /// `resume_vm: false`).
+    pub start_paused: bool,
 }
 
 /// The firmware `ferrovm run` uses when a disk is given without a kernel: Debian's SeaBIOS
@@ -172,6 +178,7 @@ impl VmConfig {
             nets: Vec::new(),
             firmware: None,
             boot_order: Vec::new(),
+            start_paused: false,
         }
     }
 }
@@ -388,7 +395,7 @@ fn vhost_refusal() -> String {
 }
 
 /// A unicast MAC written as six colon-separated hex bytes.
-fn parse_mac(text: &str) -> Option<[u8; 6]> {
+pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];
     let mut parts = text.split(':');
     for byte in &mut mac {

@@ -20,7 +20,7 @@ use devices::serial::SerialDevice;
 use hypervisor::{open_accelerator_with, AccelOptions, SegmentRegister, StandardRegisters, Vcpu};
 use pci::{HostBridge, PciBus, PciLayout, Window};
 
-use crate::api::{Api, MachineInfo, MachineOps};
+use crate::api::{Api, MachineInfo, MachineOps, Server};
 use crate::config::{IrqChipKind, StartFrom, VmConfig};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
@@ -66,8 +66,86 @@ impl Outcome {
 pub fn run(config: VmConfig) -> Result<Outcome> {
     // First, so that every thread of the machine starts in its role's sandbox.
     sandbox::start(config.seccomp)?;
-    let machine = Machine::build(&config)?;
+    if config.start == StartFrom::Api {
+        return run_configured_by_api(config);
+    }
+    let machine = Machine::build(&config, None)?;
     machine.run()
+}
+
+/// `run --api-socket PATH` alone: serves the API and waits for a configuration through it
+/// (Firecracker's pre-boot endpoints, a snapshot load, a restore or an incoming migration),
+/// then builds and runs that machine. A configuration that cannot be built is refused to the
+/// request that sent it, and the VMM goes on waiting.
+fn run_configured_by_api(base: VmConfig) -> Result<Outcome> {
+    let path = base.api_socket.clone().ok_or_else(|| {
+        Error::Control(
+            "give --kernel, --firmware, --disk, --restore, --incoming or --api-socket".into(),
+        )
+    })?;
+    let (listener, _guard) = crate::socket::bind(&path)?;
+    let (start_tx, starts) = std::sync::mpsc::channel();
+    let server = Arc::new(Server::pre_boot(crate::api::firecracker::PreBoot::new(
+        base, start_tx,
+    )));
+    crate::api::http::serve(listener, server.clone())?;
+    log::info!("waiting for the VM's configuration on {}", path.display());
+    // SIGINT/SIGTERM while waiting end the VMM as they end a running one (the socket removed).
+    let _signals = SignalWatch::install()?;
+    loop {
+        let start = match starts.recv_timeout(std::time::Duration::from_millis(100)) {
+            Ok(start) => start,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                match LAST_SIGNAL.load(Ordering::SeqCst) {
+                    0 => continue,
+                    signo => return Ok(Outcome::Signal(signo)),
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let built = check_same_file(start.same_file.as_ref())
+            .and_then(|()| Machine::build(&start.config, Some(server.clone())));
+        match built.map(|m| m.run()) {
+            Err(e) => server.start_failed(e.to_string()),
+            Ok(Err(e)) if !server.is_running() => return Err(e),
+            Ok(outcome) => return outcome,
+        }
+    }
+    Err(Error::Control("the API server stopped".into()))
+}
+
+/// A snapshot load's state and memory paths name one file (ferrovm's snapshot is one file).
+fn check_same_file(paths: Option<&(std::path::PathBuf, std::path::PathBuf)>) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Some((state, mem)) = paths else {
+        return Ok(());
+    };
+    let id = |p: &std::path::Path| {
+        std::fs::metadata(p)
+            .map(|m| (m.dev(), m.ino()))
+            .map_err(|e| Error::File {
+                path: p.to_path_buf(),
+                reason: e.to_string(),
+            })
+    };
+    if id(state)? != id(mem)? {
+        return Err(Error::Option {
+            option: "mem_file_path",
+            value: mem.display().to_string(),
+            reason: "not the snapshot file: ferrovm's snapshot is one file holding memory and \
+                     state, and snapshot/create makes mem_file_path a hard link to it"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// How the API reaches the machine.
+enum ApiSetup {
+    /// `--api-socket` with a machine from the command line: served once it runs.
+    Own(std::os::unix::net::UnixListener, MachineInfo, SocketGuard),
+    /// Served already (it configured this machine): the machine is attached once it runs.
+    Attached(Arc<Server>, MachineInfo),
 }
 
 type AckSender = migration::AckSender<snapshot::ReplyChannel>;
@@ -90,7 +168,9 @@ struct Machine {
     vcpus: Vec<Box<dyn Vcpu>>,
     context: Arc<VcpuContext>,
     timers: Option<TimerDevices>,
-    api: Option<(std::os::unix::net::UnixListener, MachineInfo, SocketGuard)>,
+    api: Option<ApiSetup>,
+    /// A restored snapshot waits, paused, for a resume through the API.
+    restore_paused: bool,
     /// COM1's output queue, drained at exit.
     serial_output: Option<Arc<devices::output::OutputQueue>>,
     /// COM1's input (a terminal or a socket), started when the machine runs.
@@ -123,7 +203,7 @@ fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
 }
 
 impl Machine {
-    fn build(config: &VmConfig) -> Result<Self> {
+    fn build(config: &VmConfig, attached: Option<Arc<Server>>) -> Result<Self> {
         // A snapshot decides the machine's shape.
         let mut config = config.clone();
         if let StartFrom::Restore(path) = &config.start {
@@ -297,17 +377,18 @@ impl Machine {
             restored: Default::default(),
             snapshot_temp: Default::default(),
         });
-        let api = match &config.api_socket {
-            Some(path) => {
+        let info = MachineInfo {
+            vcpus: config.cpus,
+            memory: config.memory,
+            irqchip: irqchip_name,
+        };
+        let api = match (attached, &config.api_socket) {
+            (Some(server), _) => Some(ApiSetup::Attached(server, info)),
+            (None, Some(path)) => {
                 let (listener, guard) = crate::socket::bind(path)?;
-                let info = MachineInfo {
-                    vcpus: config.cpus,
-                    memory: config.memory,
-                    irqchip: irqchip_name,
-                };
-                Some((listener, info, guard))
+                Some(ApiSetup::Own(listener, info, guard))
             }
-            None => None,
+            (None, None) => None,
         };
 
         let cpu_setup = crate::cpu_setup::CpuSetup::new(hv.as_ref())?;
@@ -343,6 +424,7 @@ impl Machine {
             context,
             timers: Some(timers),
             api,
+            restore_paused: config.start_paused,
             start,
             serial_output,
             serial_input,
@@ -379,7 +461,7 @@ impl Machine {
         // A snapshot always runs; a migrated guest stays paused if it was paused, which
         // only an API can end. Devices are restored paused and resumed as the guest starts:
         // a device with work of its own (a virtio queue) takes it up only then.
-        let paused = ack.is_some() && state.paused;
+        let paused = (ack.is_some() && state.paused) || self.restore_paused;
         let restored = if paused && self.api.is_none() {
             Err(Error::Migration(
                 "the guest was paused on the source, and this destination has no \
@@ -475,13 +557,17 @@ impl Machine {
         ));
         supervisor.set_power(self.context.power.clone());
         let _socket = match self.api.take() {
-            Some((listener, info, guard)) if start_error.is_none() => {
-                let mut api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
-                api.serial = self.serial_queue();
-                crate::api::serve(listener, Arc::new(api))?;
+            Some(ApiSetup::Own(listener, info, guard)) if start_error.is_none() => {
+                let api = self.api_of(&supervisor, info);
+                crate::api::http::serve(listener, Arc::new(Server::running(api)))?;
                 Some(guard)
             }
-            other => other.map(|(_, _, guard)| guard),
+            Some(ApiSetup::Attached(server, info)) if start_error.is_none() => {
+                server.attach(self.api_of(&supervisor, info));
+                None
+            }
+            Some(ApiSetup::Own(_, _, guard)) => Some(guard),
+            _ => None,
         };
         let outcome = if start_error.is_none() {
             signals.wait(&self.context.exit, rip_sample_period(), &threads)
@@ -520,6 +606,12 @@ impl Machine {
 }
 
 impl Machine {
+    fn api_of(&self, supervisor: &Arc<Supervisor>, info: MachineInfo) -> Arc<Api> {
+        let mut api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
+        api.serial = self.serial_queue();
+        Arc::new(api)
+    }
+
     /// Gives the guest's last console output a moment to reach its reader, and says how much
     /// was dropped because nobody read it.
     fn finish_serial_output(&self) {

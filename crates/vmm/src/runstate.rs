@@ -6,8 +6,8 @@
 //! [`Error::Conflict`] naming what is in progress (the HTTP API's 409), instead of, say, a
 //! `resume` un-pausing the guest under a snapshot that is still reading its memory.
 //!
-//! This module knows nothing of the wire format of the API: the JSON-lines server (and the
-//! HTTP one that will replace it) only parse requests and format replies.
+//! This module knows nothing of the wire format of the API: the HTTP server only parses
+//! requests and formats replies.
 
 use std::net::{Shutdown, TcpStream};
 use std::path::Path;

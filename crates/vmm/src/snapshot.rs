@@ -282,7 +282,6 @@ impl MachineOps for Core {
         self.temp_state().path = None;
         let report = result?;
         Ok(json!({
-            "ok": true,
             "path": path,
             "paused_ms": ms(paused_for),
             "total_ms": ms(started.elapsed()),
@@ -329,7 +328,7 @@ impl MachineOps for Core {
         match result {
             // The destination runs the guest now; the API ends this copy once the reply is
             // written (the guest stays paused until then).
-            Ok(report) => Ok(json!({"ok": true, "report": report_json(&report)})),
+            Ok(report) => Ok(json!({"report": report_json(&report)})),
             Err(e @ migration::Error::OutcomeUnknown { .. }) => {
                 Err(Error::MigrationOutcomeUnknown(e.to_string()))
             }

@@ -113,10 +113,14 @@ pub fn bind_for(path: &Path, option: &'static str) -> Result<(UnixListener, Sock
 
 /// Whether a connected client may use the API: our own user, or root.
 pub fn peer_allowed(stream: &UnixStream) -> std::io::Result<bool> {
-    let uid = peer_uid(stream)?;
+    Ok(uid_allowed(peer_uid(stream)?))
+}
+
+/// Whether a client of user `uid` may use the API: our own user, or root.
+pub fn uid_allowed(uid: libc::uid_t) -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     let ours = unsafe { libc::geteuid() };
-    Ok(uid == ours || uid == 0)
+    uid == ours || uid == 0
 }
 
 #[cfg(any(target_os = "linux", target_os = "android"))]
