@@ -218,6 +218,14 @@ fn a_frame_waits_until_the_driver_posts_enough_chains() {
     let mut bufs = post_chains(&mut driver, 3, 1530);
     driver.kick(0);
     driver.assert_no_used(0, Duration::from_millis(50));
+    // EVENT_IDX: notify me when you add a chain beyond the three I looked at (avail_event
+    // 3), not beyond next_avail (0), which the driver has already passed.
+    let used_ring = driver.active_queues()[0].queue.used_ring();
+    let avail_event: u16 = driver
+        .mem
+        .read_obj(GuestAddress(used_ring + 4 + 8 * 16))
+        .unwrap();
+    assert_eq!(u16::from_le(avail_event), 3);
     bufs.extend(post_chains(&mut driver, 3, 1530));
     driver.kick(0);
     let used = driver.wait_used(0, 6);
