@@ -12,6 +12,7 @@ import json
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import matplotlib
@@ -865,7 +866,8 @@ def net_section(res, docs, out):
         "virtio-net-pci,disable-legacy=on,mq=on`, the same guest (PVH). The floor runs the same "
         "exchanges between two namespaces over a veth pair (MTU 9000), no VM. Datagrams (or "
         f"echoes) per second, median of {rounds} interleaved rounds [min–max]; ferrovm/QEMU as the "
-        "ratio of medians [min–max of the per-round ratios].\n")
+        f"ratio of medians [min–max of the per-round ratios]. Measured {res.get('net_date', '—')} "
+        "on the machine above, which other work shares: the spread is wide.\n")
     out.append("| workload | ferrovm | QEMU | veth floor | ferrovm/QEMU | ferrovm / QEMU / floor |")
     out.append("| --- | --- | --- | --- | --- | --- |")
     summary = {}
@@ -1053,6 +1055,7 @@ def main():
     net = results.with_name("net.json")
     if net.exists():
         res["net"] = json.loads(net.read_text())
+        res["net_date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(net.stat().st_mtime))
     old = old_page(docs / "benchmarks.md")
     body, rows, kept = [], [], []
     for key, heading, render, summarize, prefixes in SECTIONS:
@@ -1124,6 +1127,7 @@ def main():
         "sudo make bench BENCH_ARGS=--quick     # a smoke test: few rounds, about 2 minutes\n"
         "sudo bench/run.sh --only exits,memory  # remeasure some sections, keep the others\n"
         "sudo bench/run.sh --only blk --set blk_rounds=3   # any setting of config() in bench.py\n"
+        "sudo bench/run.sh --only net          # §9 alone: bench/net.py -> target/bench/net.json\n"
         "/usr/bin/python3 bench/report.py       # re-render from target/bench/results.json\n"
         "                                       # (any python3 with matplotlib)\n"
         "```\n")
