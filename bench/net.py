@@ -12,7 +12,8 @@ guest -> tap -> host stack -> echo server -> guest), throughput (1400-byte datag
 flight, so both directions carry the same bytes) on one queue pair and on two, and one way:
 guest to host (the guest sends as fast as its queue takes them; the host counts what arrived)
 and host to guest (the host sends as fast as it can; the guest counts what arrived, first to
-last). The floor runs the same exchanges between two namespaces over a veth pair (udpecho
+last), with 1400-byte datagrams and with 8000-byte ones over a 9000-byte MTU that the guest
+takes in mergeable receive buffers. The floor runs the same exchanges between two namespaces over a veth pair (udpecho
 client, send, recv), no VM at all.
 """
 import argparse
@@ -34,6 +35,10 @@ WORKLOADS = {
     "throughput-2q": {"pairs": 2, "window": 64, "size": 1400, "count": 30000},
     "guest-to-host": {"pairs": 1, "window": 0, "size": 1400, "count": 30000, "mode": "send"},
     "host-to-guest": {"pairs": 1, "window": 0, "size": 1400, "count": 20000, "mode": "recv"},
+    # Large frames: 8000-byte datagrams over a 9000-byte MTU, each spread over several
+    # mergeable receive buffers (VIRTIO_NET_F_MRG_RXBUF, 2048-byte buffers).
+    "host-to-guest-8k": {"pairs": 1, "window": 0, "size": 8000, "count": 10000, "mode": "recv",
+                         "mrg": 1},
 }
 RESULT = re.compile(r"net-stress: (\d+) echoes intact in (\d+) us")
 SENT = re.compile(r"net-stress: sent (\d+) datagrams of \d+ bytes in (\d+) us, the host received (\d+)")
@@ -54,12 +59,15 @@ def setup():
     # A queue long enough for a whole host-to-guest burst: the host outpaces any guest, and
     # the figure is how fast the guest takes frames, not how many a short queue drops.
     sh("ip", "-n", NS, "link", "set", "ftap0", "txqueuelen", "40000")
+    sh("ip", "-n", NS, "link", "set", "ftap0", "mtu", "9000")
     sh("ip", "-n", NS, "addr", "add", "10.0.2.2/24", "dev", "ftap0")
     sh("ip", "-n", NS, "link", "set", "ftap0", "up")
     sh("ip", "-n", NS, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1",
        "netns", CLIENT_NS)
     sh("ip", "-n", NS, "addr", "add", "10.0.3.2/24", "dev", "veth0")
     sh("ip", "-n", CLIENT_NS, "addr", "add", "10.0.3.1/24", "dev", "veth1")
+    sh("ip", "-n", NS, "link", "set", "veth0", "mtu", "9000")
+    sh("ip", "-n", CLIENT_NS, "link", "set", "veth1", "mtu", "9000")
     sh("ip", "-n", NS, "link", "set", "veth0", "up")
     sh("ip", "-n", CLIENT_NS, "link", "set", "veth1", "up")
     servers = []
@@ -78,7 +86,8 @@ def teardown():
 
 def guest_args(w):
     args = f"pairs={w['pairs']} window={w['window']} size={w['size']} count={w['count']}"
-    return args + (f" mode={w['mode']}" if "mode" in w else "")
+    args += f" mode={w['mode']}" if "mode" in w else ""
+    return args + (f" mrg={w['mrg']}" if "mrg" in w else "")
 
 
 def vmm_cmd(vmm, w):
@@ -142,6 +151,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=str(ROOT / "target/bench/net.json"))
+    ap.add_argument("--only", nargs="*", help="run only these workloads")
     args = ap.parse_args()
     Path(UDPECHO).parent.mkdir(parents=True, exist_ok=True)
     sh("gcc", "-O2", "-Wall", "-o", UDPECHO, str(ROOT / "bench/udpecho.c"))
@@ -149,6 +159,8 @@ def main():
     results = {}
     try:
         for name, w in WORKLOADS.items():
+            if args.only and name not in args.only:
+                continue
             samples = {"ferrovm": [], "qemu": [], "veth": []}
             for r in range(args.rounds):
                 # Alternate the order so neither VMM always runs on a warmer host.

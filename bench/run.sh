@@ -45,4 +45,12 @@ fi
 
 make -C bench O="$PWD/target/bench" >/dev/null
 "$PYTHON" bench/bench.py "$@"
+# virtio-net (section 9): bench/net.py in its own namespaces, into target/bench/net.json; left
+# out when --only names other sections only (bench.py itself ignores the name "net").
+args=" $* "
+if [[ "$args" != *" --only"* ]] || [[ "$args" == *net* ]]; then
+    rounds=3
+    [[ "$args" == *" --quick "* ]] && rounds=1
+    "$PYTHON" bench/net.py --rounds "$rounds" --json target/bench/net.json >/dev/null
+fi
 "$PYTHON" bench/report.py target/bench/results.json docs

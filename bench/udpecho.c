@@ -76,7 +76,7 @@ int main(int argc, char **argv)
 			}
 			data[n < 64 ? n : 63] = 0;
 			unsigned total = 0, size = 0;
-			if (sscanf(data, "%u %u", &total, &size) != 2 || size < 8 || size > 1472)
+			if (sscanf(data, "%u %u", &total, &size) != 2 || size < 8 || size > 8972)
 				continue;
 			for (unsigned i = 0; i < total; i++) {
 				memcpy(back, &i, 4);

@@ -19,6 +19,12 @@
  * by MSI-X interrupt (every wait must end with one; an announcement must
  * have come with a configuration interrupt) instead of polling.  `mrg=1`
  * negotiates VIRTIO_NET_F_MRG_RXBUF (every frame's num_buffers checked).
+ * `tso=1` negotiates mergeable buffers with GUEST_CSUM and GUEST_TSO4, posts
+ * 1530-byte receive buffers and at the end asks the peer (a datagram with the
+ * guest's MAC to port+1) for a large TCP segment, which the peer writes to the
+ * tap as one GSO frame (TCPV4) carrying TSO_PAYLOAD bytes, and a BIG_DATAGRAM-
+ * byte UDP datagram (the tap's MTU is 9000): both must arrive whole, each
+ * spread over several buffers.
  */
 #include "net.h"
 
@@ -28,6 +34,72 @@ static u8 peer_mac[6];
 static u16 port;
 static u8 frame[NET_BUF_LEN], rxbuf[NET_BUF_LEN];
 static unsigned announced, retries;
+
+#define TSO_PAYLOAD	60000
+#define BIG_DATAGRAM	8000
+static u8 big[TSO_PAYLOAD + 256];
+
+static bool pattern_ok(const u8 *p, u32 len)
+{
+	for (u32 i = 0; i < len; i++)
+		if (p[i] != (u8)(i % 251))
+			return false;
+	return true;
+}
+
+/* One large frame from the peer, checked; 1 for the TSO frame, 2 for the datagram. */
+static unsigned big_frame(u32 len, u16 sport)
+{
+	const u8 *hdr = big, *f = big + NET_HDR_LEN;
+	u16 num_buffers = (u16)(hdr[10] | hdr[11] << 8);
+	struct rx_frame rx;
+	if (len < NET_HDR_LEN || !parse_frame(f, len - NET_HDR_LEN, &rx))
+		return 0;
+	if (net_answer_arp(&net, 0, &rx, my_ip) || rx.type != ETH_P_IP || rx.sip != peer_ip)
+		return 0;
+	if (rx.proto == IPPROTO_UDP && rx.sport == port + 1 && rx.dport == sport) {
+		if (rx.payload_len != BIG_DATAGRAM || !pattern_ok(rx.payload, rx.payload_len))
+			fail("the large datagram came back damaged (%u bytes)", rx.payload_len);
+		printf("net-echo: a %u-byte datagram in %u buffers\n", len - NET_HDR_LEN, num_buffers);
+		return 2;
+	}
+	if (rx.proto != IPPROTO_TCP)
+		return 0;
+	const u8 *tcp = f + 14 + (f[14] & 15) * 4;
+	u32 data_off = (u32)(tcp[12] >> 4) * 4;
+	const u8 *payload = tcp + data_off;
+	u32 payload_len = len - (u32)(payload - big);
+	u16 gso_size = (u16)(hdr[4] | hdr[5] << 8);
+	if (hdr[1] != 1 /* VIRTIO_NET_HDR_GSO_TCPV4 */ || payload_len != TSO_PAYLOAD)
+		fail("TCP frame: gso_type %u, %u payload bytes (a TSO frame of %u expected)", hdr[1],
+		     payload_len, TSO_PAYLOAD);
+	if (!pattern_ok(payload, payload_len))
+		fail("the TSO frame came back damaged");
+	printf("net-echo: a %u-byte TSO frame (gso_size %u) in %u buffers\n", len - NET_HDR_LEN,
+	       gso_size, num_buffers);
+	return 1;
+}
+
+/* Asks the peer for a TSO frame and a large datagram until both have come. */
+static void large_frames(void)
+{
+	u16 sport = 40100;
+	unsigned seen = 0;
+	for (unsigned attempt = 0; attempt < 10 && seen != 3; attempt++) {
+		u32 flen = udp_frame(frame, net.mac, peer_mac, my_ip, peer_ip, sport, (u16)(port + 1),
+				     net.mac, 6);
+		if (!net_send(&net, 0, frame, flen))
+			fail("transmit queue stuck");
+		u64 deadline = net_deadline(1000000);
+		while (seen != 3 && !net_expired(deadline)) {
+			int got = net_recv_merged(&net, 0, big, sizeof(big), 10000);
+			if (got > 0)
+				seen |= big_frame((u32)got, sport);
+		}
+	}
+	if (seen != 3)
+		fail("large frames from the peer: %u of 3", seen);
+}
 
 static u32 ip_arg(const char *key, const char *dflt)
 {
@@ -171,8 +243,13 @@ static u64 work(u64 arg)
 		fail("no virtio-net device");
 	net.irq = cmdline_uint("irq", 0);
 	u64 wanted = VIRTIO_BIT(VIRTIO_NET_F_GUEST_ANNOUNCE);
-	if (cmdline_uint("mrg", 0))
+	bool tso = cmdline_uint("tso", 0);
+	if (cmdline_uint("mrg", 0) || tso)
 		wanted |= VIRTIO_BIT(VIRTIO_NET_F_MRG_RXBUF);
+	if (tso) {
+		wanted |= VIRTIO_BIT(VIRTIO_NET_F_GUEST_CSUM) | VIRTIO_BIT(VIRTIO_NET_F_GUEST_TSO4);
+		net.rx_len = 1530;
+	}
 	if (!net_start(&net, wanted, 1, 256))
 		fail("virtio-net did not start");
 	check_mac();
@@ -195,6 +272,11 @@ static u64 work(u64 arg)
 	for (u32 seq = 1; seq <= pings; seq++)
 		ping(seq);
 	check_announce();
+	if (tso) {
+		if (!virtio_has(&net.vd, VIRTIO_NET_F_GUEST_TSO4))
+			fail("the device does not offer GUEST_TSO4");
+		large_frames();
+	}
 	if (net.irq_on) {
 		struct virtq *rx = net.pair[0].rx;
 		printf("net-echo: MSI-X: %u receive interrupts, %lu waits ended by one, %lu missed, %u configuration interrupts\n",

@@ -27,6 +27,32 @@ def rarp():
         f = s.recv(2048)
         print("rarp " + ":".join("%02x" % b for b in f[6:12]), flush=True)
 threading.Thread(target=rarp, daemon=True).start()
+def large():
+    # A datagram carrying the guest's MAC on port 7778 asks for a 60000-byte TCP segment,
+    # written to the tap as one GSO frame (virtio_net_hdr: NEEDS_CSUM, GSO_TCPV4, gso_size
+    # 1448), and an 8000-byte datagram (the tap's MTU is 9000 then).
+    import struct
+    b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    b.bind(("10.0.2.2", 7778))
+    p = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    p.setsockopt(263, 15, 1)  # SOL_PACKET, PACKET_VNET_HDR
+    p.bind((sys.argv[1], 0))
+    mine = bytes.fromhex(open("/sys/class/net/%s/address" % sys.argv[1]).read().strip().replace(":", ""))
+    payload = bytes(i % 251 for i in range(60000))
+    while True:
+        data, addr = b.recvfrom(2048)
+        gip = socket.inet_aton(addr[0])
+        tcp = struct.pack("!HHIIBBHHH", 7778, addr[1], 1, 1, 5 << 4, 0x18, 65535, 0, 0)
+        iph = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 40 + len(payload), 1, 0x4000, 64, 6, 0,
+                          socket.inet_aton("10.0.2.2"), gip)
+        s = sum(struct.unpack("!10H", iph))
+        while s >> 16:
+            s = (s & 0xffff) + (s >> 16)
+        iph = iph[:10] + struct.pack("!H", ~s & 0xffff) + iph[12:]
+        vnet = struct.pack("<BBHHHH", 1, 1, 54, 1448, 34, 16)
+        p.send(vnet + data[:6] + mine + b"\x08\x00" + iph + tcp + payload)
+        b.sendto(payload[:8000], addr)
+threading.Thread(target=large, daemon=True).start()
 u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 u.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
 u.bind(("10.0.2.2", 7777))
@@ -273,6 +299,38 @@ fn echo_with_the_peer_in_both_irqchip_modes() {
             "{out}"
         );
     }
+}
+
+/// Mergeable receive buffers of 1530 bytes with GUEST_TSO4: a 60000-byte TCP segment the
+/// host hands the tap as one GSO frame reaches the guest whole (gso_type TCPV4), spread over
+/// about 40 buffers whose used entries it finds all published with the first, and so does an
+/// 8000-byte datagram over a 9000-byte MTU.
+#[test]
+fn large_frames_spread_over_mergeable_buffers() {
+    let peer = Peer::new("tso", false);
+    ip(&["-n", &peer.ns, "link", "set", TAP, "mtu", "9000"]);
+    let out = peer.run_guest(
+        "net-echo",
+        &net(""),
+        &["--cmdline", "rounds=5 pings=1 tso=1"],
+    );
+    assert!(out.contains("net-echo: 5 UDP echoes"), "{out}");
+    let tso = out
+        .lines()
+        .find(|l| l.contains("-byte TSO frame"))
+        .unwrap_or_else(|| panic!("no TSO frame: {out}"));
+    let buffers: u32 = tso
+        .rsplit(" in ")
+        .next()
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{tso}"));
+    // 60054 bytes of frame and 12 of header in 1530-byte buffers.
+    assert_eq!(buffers, 40, "{tso}");
+    assert!(
+        out.contains("net-echo: a 8042-byte datagram in 6 buffers"),
+        "{out}"
+    );
 }
 
 /// FERROVM_KERNEL_EVENTFDS=off: notifications as MMIO exits, interrupts from user space.

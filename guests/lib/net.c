@@ -182,6 +182,68 @@ int net_recv(struct net_dev *n, unsigned p, void *out, u64 timeout_us)
 	return got;
 }
 
+/* Waits for a used receive buffer of pair p; false on timeout. */
+static bool rx_wait(struct net_dev *n, struct net_pair *pr, u64 timeout_us)
+{
+	if (n->irq_on)
+		return virtq_wait(pr->rx, timeout_us) == 1;
+	u64 deadline = net_deadline(timeout_us);
+	while (!virtq_has_used(pr->rx)) {
+		if (net_expired(deadline))
+			return false;
+		pause();
+	}
+	return true;
+}
+
+/* Takes the next used receive buffer: its slot and length. */
+static u16 rx_take(struct net_pair *pr, u32 *len)
+{
+	u64 token = (u64)virtq_get(pr->rx, len);
+	if (token == 0 || token > pr->rx->size)
+		fail("net: receive queue %u returned token %lu", pr->rx->index, token);
+	return (u16)(token - 1);
+}
+
+int net_recv_merged(struct net_dev *n, unsigned p, void *out, u32 cap, u64 timeout_us)
+{
+	struct net_pair *pr = &n->pair[p];
+	if (!rx_wait(n, pr, timeout_us))
+		return 0;
+	u32 len;
+	u16 slot = rx_take(pr, &len);
+	const u8 *buf = pr->rx_bufs + (u64)slot * NET_BUF_LEN;
+	if (len < NET_HDR_LEN || len > pr->rx_len) {
+		pr->rx_short++;
+		post_rx(pr, slot);
+		virtq_kick(pr->rx);
+		return -1;
+	}
+	u16 num_buffers = (u16)(buf[10] | buf[11] << 8);
+	if (num_buffers == 0)
+		fail("net: a frame with num_buffers 0");
+	u32 total = 0;
+	for (u16 i = 0; i < num_buffers; i++) {
+		if (i) {
+			/* Published together with the first: no waiting. */
+			if (!virtq_has_used(pr->rx))
+				fail("net: num_buffers %u but only %u buffers used", num_buffers, i);
+			slot = rx_take(pr, &len);
+			buf = pr->rx_bufs + (u64)slot * NET_BUF_LEN;
+			if (len > pr->rx_len)
+				fail("net: used length %u beyond the %u-byte buffer", len, pr->rx_len);
+		}
+		if (total + len > cap)
+			fail("net: a frame of more than %u bytes", cap);
+		memcpy((u8 *)out + total, buf, len);
+		total += len;
+		post_rx(pr, slot);
+	}
+	virtq_kick(pr->rx);
+	pr->rx_frames++;
+	return (int)total;
+}
+
 int net_ctrl(struct net_dev *n, u8 class, u8 cmd, const void *data, u32 len)
 {
 	if (!n->ctrl || len > 1024)

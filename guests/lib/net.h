@@ -11,6 +11,7 @@
 /* feature bits */
 #define VIRTIO_NET_F_CSUM		0
 #define VIRTIO_NET_F_GUEST_CSUM		1
+#define VIRTIO_NET_F_GUEST_TSO4		7
 #define VIRTIO_NET_F_MAC		5
 #define VIRTIO_NET_F_MRG_RXBUF		15
 #define VIRTIO_NET_F_STATUS		16
@@ -78,6 +79,13 @@ unsigned net_tx_reap(struct net_dev *n, unsigned p);
  * none arrived within timeout_us, -1 for a used buffer shorter than the
  * header (the device dropped a frame). */
 int net_recv(struct net_dev *n, unsigned p, void *buf, u64 timeout_us);
+/* The next received frame of pair p with mergeable receive buffers, however
+ * many buffers it spans: its virtio_net_hdr_v1 and the frame copied to out
+ * (at most cap bytes); every buffer posted again.  The used entries of one
+ * frame must all be visible once its first is (num_buffers says how many),
+ * or the guest fails.  Returns the length with the header, 0 if none arrived
+ * within timeout_us, -1 for a used buffer shorter than the header. */
+int net_recv_merged(struct net_dev *n, unsigned p, void *out, u32 cap, u64 timeout_us);
 /* One control command; returns the ack (VIRTIO_NET_OK/ERR), or -1 on timeout. */
 int net_ctrl(struct net_dev *n, u8 class, u8 cmd, const void *data, u32 len);
 
@@ -86,6 +94,7 @@ int net_ctrl(struct net_dev *n, u8 class, u8 cmd, const void *data, u32 len);
 #define ETH_P_ARP	0x0806
 #define ETH_P_RARP	0x8035
 #define IPPROTO_ICMP	1
+#define IPPROTO_TCP	6
 #define IPPROTO_UDP	17
 static inline u16 be16(u16 v) { return (u16)((v >> 8) | (v << 8)); }
 static inline u32 be32(u32 v) { return __builtin_bswap32(v); }

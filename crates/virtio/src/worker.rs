@@ -16,8 +16,9 @@
 //! rather than hang the VMM.
 
 use std::io;
+use std::num::Wrapping;
 use std::os::unix::io::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -25,8 +26,8 @@ use std::time::{Duration, Instant};
 use devices::exit::Waker;
 use devices::LifecycleError;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
-use virtio_queue::{DescriptorChain, QueueOwnedT, QueueState, QueueT};
-use vm_memory::GuestMemory;
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueState, QueueT};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory};
 
 use crate::{ActivateError, ActiveQueue, Interrupt};
 
@@ -43,6 +44,27 @@ pub trait QueueHandler<M: GuestMemory>: Send + 'static {
     /// returns the number of bytes written into the chain's device-writable buffers, the
     /// used entry's length. Must not panic or block without bound on guest data.
     fn handle(&mut self, mem: &M, queue: u16, chain: DescriptorChain<&M>) -> u32;
+
+    /// Whether one request of `queue` may span several chains: its chains then go to
+    /// [`QueueHandler::handle_chains`] instead of [`QueueHandler::handle`].
+    fn multi_chain(&self, _queue: u16) -> bool {
+        false
+    }
+
+    /// Serves one request of `queue` that takes as many chains as it needs from `chains`
+    /// (a received frame spread over mergeable buffers; the queue holds `ring_size`). Returns
+    /// the used entries (head, length) of the chains it took, in the order taken, which the
+    /// worker publishes together; `None` when the chains available do not suffice, which
+    /// puts every chain it took back in the ring until the driver adds more.
+    fn handle_chains<'m>(
+        &mut self,
+        _mem: &'m M,
+        _queue: u16,
+        _ring_size: u16,
+        _chains: &mut dyn Iterator<Item = DescriptorChain<&'m M>>,
+    ) -> Option<Vec<(u16, u32)>> {
+        None
+    }
 
     /// Whether a chain of `queue` can be served now. A receive queue says no while it has no
     /// input: its chains stay in the available ring until an extra waker fires.
@@ -499,17 +521,28 @@ where
         let mem: &M = &mem;
         let mut pending_signal = 0u32;
         let mut idle_passes = 0;
+        let mut starved_passes = 0u32;
         loop {
             let queue = &mut self.queues[slot].queue;
             if let Err(e) = queue.disable_notification(mem) {
                 log::warn!("virtio queue: cannot disable notifications: {e}");
             }
-            let served = self.serve_available(slot, mem, &mut pending_signal);
+            let (served, starved) = self.serve_available(slot, mem, &mut pending_signal);
             if self.control.yield_now.load(Ordering::SeqCst) {
                 break;
             }
             let index = self.queues[slot].index;
             if self.handler.notifications_off(index) {
+                break;
+            }
+            if let Some(seen_end) = starved {
+                // Each pass that finds more chains looks at one more at least, and a ring
+                // holds `size` of them: a driver that juggles its index cannot keep us here.
+                starved_passes += 1;
+                let limit = u32::from(self.queues[slot].queue.size()) + 2;
+                if self.await_more_chains(slot, mem, seen_end) && starved_passes <= limit {
+                    continue;
+                }
                 break;
             }
             let queue = &mut self.queues[slot].queue;
@@ -527,14 +560,30 @@ where
         self.signal(slot, mem, &mut pending_signal);
     }
 
-    /// Handles chains until none is left or the queue is halted; returns how many it handled.
-    fn serve_available(&mut self, slot: usize, mem: &M, pending: &mut u32) -> u32 {
+    /// Handles chains until none is left or the queue is halted; returns how many requests
+    /// it handled, and for a request left waiting for more chains than the driver made
+    /// available, the available index the handler looked up to.
+    fn serve_available(&mut self, slot: usize, mem: &M, pending: &mut u32) -> (u32, Option<u16>) {
         let mut served = 0;
         // Halted here or before: the chains behind the broken entry stay unserved.
         while !self.control.yield_now.load(Ordering::SeqCst) && !self.halted[slot] {
             let index = self.queues[slot].index;
             if !self.handler.ready(index) {
                 break;
+            }
+            if self.handler.multi_chain(index) {
+                match self.serve_multi(slot, mem) {
+                    Multi::Served(entries) => {
+                        served += 1;
+                        *pending += entries;
+                        if *pending >= SIGNAL_BATCH {
+                            self.signal(slot, mem, pending);
+                        }
+                        continue;
+                    }
+                    Multi::Starved(seen_end) => return (served, Some(seen_end)),
+                    Multi::Stop => break,
+                }
             }
             let chain = match self.queues[slot].queue.iter(mem) {
                 Ok(mut available) => available.next(),
@@ -569,7 +618,82 @@ where
                 self.signal(slot, mem, pending);
             }
         }
-        served
+        (served, None)
+    }
+
+    /// Serves one request over as many chains as the handler takes; see
+    /// [`QueueHandler::handle_chains`]. Chains it did not use go back to the ring.
+    fn serve_multi(&mut self, slot: usize, mem: &M) -> Multi {
+        let index = self.queues[slot].index;
+        let queue = &mut self.queues[slot].queue;
+        let start = Wrapping(queue.next_avail());
+        let size = queue.size();
+        let mut bad_head = None;
+        let mut seen = Wrapping(0u16);
+        let outcome = match queue.iter(mem) {
+            Ok(available) => {
+                let mut chains = available.map_while(|chain| {
+                    let head = chain.head_index();
+                    if head >= size {
+                        bad_head = Some(head);
+                        return None;
+                    }
+                    seen += Wrapping(1);
+                    Some(chain)
+                });
+                self.handler.handle_chains(mem, index, size, &mut chains)
+            }
+            Err(virtio_queue::Error::InvalidAvailRingIndex) => {
+                self.halt(slot, "the available index is more than a queue ahead");
+                return Multi::Stop;
+            }
+            Err(e) => {
+                log::debug!("virtio queue {index}: cannot read the available ring: {e}");
+                return Multi::Stop;
+            }
+        };
+        let queue = &mut self.queues[slot].queue;
+        let taken = outcome.as_ref().map_or(0, Vec::len);
+        queue.set_next_avail((start + Wrapping(taken as u16)).0);
+        if let Some(entries) = outcome.as_ref().filter(|e| !e.is_empty()) {
+            if let Err(e) = publish_together(queue, mem, entries) {
+                log::error!("virtio queue {index}: cannot add used entries: {e}");
+            }
+        }
+        if let Some(head) = bad_head {
+            self.halt(slot, &format!("available head {head} is beyond the queue"));
+            return Multi::Stop;
+        }
+        match outcome {
+            Some(entries) if !entries.is_empty() => Multi::Served(entries.len() as u32),
+            Some(_) => Multi::Stop,
+            None => Multi::Starved((start + seen).0),
+        }
+    }
+
+    /// A request waits for more chains than the driver has made available (up to
+    /// `seen_end`): asks the driver to notify when it adds one. With EVENT_IDX that means
+    /// avail_event at `seen_end`, not at next_avail, which the waiting request's chains sit
+    /// behind (a driver already past it would never notify). True if chains arrived
+    /// meanwhile, so the caller looks again.
+    fn await_more_chains(&mut self, slot: usize, mem: &M, seen_end: u16) -> bool {
+        let queue = &mut self.queues[slot].queue;
+        if let Err(e) = queue.enable_notification(mem) {
+            log::warn!("virtio queue: cannot enable notifications: {e}");
+        }
+        if queue.event_idx_enabled() {
+            let offset = USED_RING_HEADER + USED_ELEMENT * u64::from(queue.size());
+            let stored = GuestAddress(queue.used_ring())
+                .checked_add(offset)
+                .map(|addr| mem.store(u16::to_le(seen_end), addr, Ordering::Relaxed));
+            if !matches!(stored, Some(Ok(()))) {
+                log::debug!("virtio queue: cannot write avail_event");
+            }
+        }
+        fence(Ordering::SeqCst);
+        queue
+            .avail_idx(mem, Ordering::Acquire)
+            .is_ok_and(|idx| idx.0 != seen_end)
     }
 
     /// The driver broke queue `slot` beyond repair: stop serving it until the device is
@@ -584,12 +708,81 @@ where
         if *pending == 0 {
             return;
         }
-        *pending = 0;
+        let added = std::mem::take(pending);
         let queue = &mut self.queues[slot];
-        if queue.queue.needs_notification(mem).unwrap_or(true) {
+        if needs_notification(&mut queue.queue, mem, added) {
             self.interrupt.signal_queue(queue.index);
         }
     }
+}
+
+/// What [`WorkerThread::serve_multi`] did.
+enum Multi {
+    /// One request, this many used entries published.
+    Served(u32),
+    /// The request waits for more chains; the available index the handler looked up to.
+    Starved(u16),
+    /// Nothing to do now (no request, or the queue is unreadable or halted).
+    Stop,
+}
+
+/// Split ring layout (virtio 1.x, 2.7): flags and idx, then the elements.
+const USED_RING_HEADER: u64 = 4;
+const USED_ELEMENT: u64 = 8;
+const AVAIL_RING_HEADER: u64 = 4;
+const AVAIL_ELEMENT: u64 = 2;
+
+/// Writes `entries` into the used ring at next_used onwards, then moves the used index once
+/// (Release, after the entries): the driver sees all of them or none. virtio-queue's
+/// `add_used` publishes the index after every entry, which would expose part of a frame
+/// spread over several buffers.
+fn publish_together<M: GuestMemory>(
+    queue: &mut Queue,
+    mem: &M,
+    entries: &[(u16, u32)],
+) -> Result<(), virtio_queue::Error> {
+    use virtio_queue::Error;
+    let size = queue.size();
+    if size == 0 {
+        return Err(Error::InvalidSize);
+    }
+    let used_ring = GuestAddress(queue.used_ring());
+    let mut next = Wrapping(queue.next_used());
+    for &(head, len) in entries {
+        let offset = USED_RING_HEADER + u64::from(next.0 % size) * USED_ELEMENT;
+        let addr = used_ring
+            .checked_add(offset)
+            .ok_or(Error::AddressOverflow)?;
+        let element = [u32::from(head).to_le(), len.to_le()];
+        mem.write_obj(element, addr).map_err(Error::GuestMemory)?;
+        next += Wrapping(1);
+    }
+    let idx_addr = used_ring.checked_add(2).ok_or(Error::AddressOverflow)?;
+    mem.store(u16::to_le(next.0), idx_addr, Ordering::Release)
+        .map_err(Error::GuestMemory)?;
+    queue.set_next_used(next.0);
+    Ok(())
+}
+
+/// Whether the driver wants an interrupt for the `added` used entries since the last
+/// check. virtio-queue's `needs_notification` counts only the entries of `add_used`, not
+/// those [`publish_together`] wrote, so with EVENT_IDX the window is computed here (the
+/// same test: used_event within the entries just added).
+fn needs_notification<M: GuestMemory>(queue: &mut Queue, mem: &M, added: u32) -> bool {
+    // Also resets virtio-queue's own count; it fences the used ring writes.
+    let theirs = queue.needs_notification(mem).unwrap_or(true);
+    if !queue.event_idx_enabled() {
+        return theirs;
+    }
+    let offset = AVAIL_RING_HEADER + AVAIL_ELEMENT * u64::from(queue.size());
+    let used_event = GuestAddress(queue.avail_ring())
+        .checked_add(offset)
+        .and_then(|addr| mem.load::<u16>(addr, Ordering::Relaxed).ok());
+    let Some(used_event) = used_event.map(u16::from_le) else {
+        return true;
+    };
+    let next_used = Wrapping(queue.next_used());
+    u32::from((next_used - Wrapping(used_event) - Wrapping(1)).0) < added
 }
 
 /// poll(2) on `fds` for readability, without timeout; retries on EINTR. An error on one

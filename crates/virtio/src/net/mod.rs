@@ -183,11 +183,9 @@ impl Net {
     }
 
     /// TUNSETOFFLOAD flags for what the driver accepts on receive. With
-    /// VIRTIO_NET_F_MRG_RXBUF the driver posts MTU-sized buffers and the device puts each
-    /// frame in one of them, so the tap is asked for no segmentation offload: frames stay
-    /// MTU-sized (the GUEST_TSO/UFO features allow such frames, they do not demand them).
+    /// VIRTIO_NET_F_MRG_RXBUF a large (GSO) frame is spread over as many receive buffers as
+    /// it needs, so the offloads are the same either way.
     fn rx_offloads(&self, acked: u64) -> u32 {
-        let mergeable = acked & (1 << VIRTIO_NET_F_MRG_RXBUF) != 0;
         [
             (VIRTIO_NET_F_GUEST_CSUM, TUN_F_CSUM),
             (VIRTIO_NET_F_GUEST_TSO4, TUN_F_TSO4),
@@ -196,9 +194,7 @@ impl Net {
             (VIRTIO_NET_F_GUEST_UFO, TUN_F_UFO),
         ]
         .into_iter()
-        .filter(|(feature, flag)| {
-            acked & (1 << feature) != 0 && (!mergeable || *flag == TUN_F_CSUM)
-        })
+        .filter(|(feature, _)| acked & (1 << feature) != 0)
         .fold(0, |flags, (_, flag)| flags | flag)
     }
 
@@ -405,10 +401,12 @@ impl Drop for Net {
         let malformed = c.tx_malformed.load(Ordering::Relaxed);
         let refused = c.tx_errors.load(Ordering::Relaxed);
         let too_long = c.rx_too_long.load(Ordering::Relaxed);
-        if malformed + refused + too_long > 0 {
+        let bad_chain = c.rx_bad_chain.load(Ordering::Relaxed);
+        if malformed + refused + too_long + bad_chain > 0 {
             log::warn!(
                 "virtio-net {}: dropped {malformed} malformed transmit chains, {refused} frames \
-                 the tap refused, {too_long} received frames longer than their buffers",
+                 the tap refused, {too_long} received frames longer than their buffers, \
+                 {bad_chain} received frames on unusable buffers",
                 self.options.tap
             );
         }
@@ -437,6 +435,7 @@ impl Net {
             // Pair 0 sets the tap's offloads and which queues are attached, on its thread.
             setup: (pair == 0).then(|| self.rx_offloads(acked)),
             max_tx_frame: Net::max_tx_frame(acked),
+            mergeable: acked & (1 << VIRTIO_NET_F_MRG_RXBUF) != 0,
             pending_rx: None,
             tap_failed: None,
             rx_buf: vec![0; MAX_GSO_FRAME],

@@ -4,8 +4,14 @@
 //! Receive: the handler reads a frame from the tap only when the worker looks for receive
 //! work ([`QueueHandler::ready`]), keeps it while the driver has no buffer, and meanwhile
 //! leaves the tap out of the worker's poll set, so a busy tap never makes the thread spin;
-//! the driver's next notification of the receive queue delivers the frame. A frame longer
-//! than the chain it lands in is dropped (the chain gets a used length of 0) and counted.
+//! the driver's next notification of the receive queue delivers the frame. Without
+//! VIRTIO_NET_F_MRG_RXBUF a frame longer than the chain it lands in is dropped (the chain
+//! gets a used length of 0) and counted. With it, a frame takes as many chains as it needs
+//! (`num_buffers` in the first chain's header says how many) and their used entries are
+//! published together; while the driver has posted too few, the frame waits in the ring's
+//! place. A frame that would need more chains than the ring holds, or meets a chain that
+//! cannot take its share (not even the header, no writable byte), is dropped and counted,
+//! and the chains it took come back with a used length of 0.
 //!
 //! Transmit: each chain is one frame, header first, written to the tap with one writev(2)
 //! straight from guest memory. A chain shorter than the header, or longer than the largest
@@ -43,8 +49,12 @@ pub struct Counters {
     pub tx_malformed: AtomicU64,
     /// Transmit frames the tap refused.
     pub tx_errors: AtomicU64,
-    /// Received frames that did not fit the chain they were given.
+    /// Received frames that did not fit the chain they were given (with mergeable buffers:
+    /// that would need more chains than the receive ring holds).
     pub rx_too_long: AtomicU64,
+    /// Received frames dropped on a receive chain that cannot take its part (mergeable
+    /// buffers: shorter than the header, no writable byte, or outside RAM).
+    pub rx_bad_chain: AtomicU64,
 }
 
 impl Counters {
@@ -65,6 +75,8 @@ pub struct PairHandler {
     pub setup: Option<u32>,
     /// Largest transmit frame, header included.
     pub max_tx_frame: usize,
+    /// VIRTIO_NET_F_MRG_RXBUF: a frame may span several receive chains.
+    pub mergeable: bool,
     /// A frame read from the tap that waits for a receive buffer.
     pub pending_rx: Option<usize>,
     /// The tap queue failed a read (detached under the thread, or the interface gone): it
@@ -148,6 +160,69 @@ impl PairHandler {
         len as u32
     }
 
+    /// Puts the pending frame into as many chains as it needs (mergeable buffers); the
+    /// used entries, or None to wait for more chains. See the module documentation.
+    fn receive_merged<'m, M: GuestMemory>(
+        &mut self,
+        mem: &'m M,
+        ring_size: u16,
+        chains: &mut dyn Iterator<Item = DescriptorChain<&'m M>>,
+    ) -> Option<Vec<(u16, u32)>> {
+        let Some(len) = self.pending_rx else {
+            return Some(Vec::new());
+        };
+        let shared = self.shared.clone();
+        let mut parts = Vec::new();
+        let mut room = 0usize;
+        while room < len {
+            let Some(chain) = chains.next() else {
+                if parts.len() < usize::from(ring_size) {
+                    return None;
+                }
+                // The whole ring would not hold it: it never will.
+                return Some(self.drop_frame(parts, &shared.counters.rx_too_long));
+            };
+            let head = chain.head_index();
+            let writer = chain.writer(mem).ok();
+            let usable = writer.as_ref().map_or(0, |w| w.available_bytes());
+            parts.push((head, writer));
+            if usable == 0 || (parts.len() == 1 && usable < VNET_HDR_LEN) {
+                return Some(self.drop_frame(parts, &shared.counters.rx_bad_chain));
+            }
+            room += usable;
+        }
+        let count = u16::try_from(parts.len()).unwrap_or(u16::MAX);
+        let frame = &mut self.rx_buf[..len];
+        frame[NUM_BUFFERS_OFFSET..VNET_HDR_LEN].copy_from_slice(&count.to_le_bytes());
+        let mut rest: &[u8] = frame;
+        let mut used = Vec::with_capacity(parts.len());
+        for (head, writer) in parts {
+            let mut written = 0;
+            if let Some(mut writer) = writer {
+                let take = rest.len().min(writer.available_bytes());
+                // A failed write leaves what reached the guest, as for one chain.
+                let _ = writer.write_all(&rest[..take]);
+                written = writer.bytes_written();
+                rest = &rest[take..];
+            }
+            used.push((head, written as u32));
+        }
+        self.pending_rx = None;
+        Counters::bump(&self.shared.counters.rx_frames);
+        Some(used)
+    }
+
+    /// Drops the pending frame, counting it; the chains it took come back empty.
+    fn drop_frame<W>(&mut self, parts: Vec<(u16, W)>, counter: &AtomicU64) -> Vec<(u16, u32)> {
+        log::debug!(
+            "virtio-net: a {:?}-byte frame does not fit the receive chains",
+            self.pending_rx
+        );
+        self.pending_rx = None;
+        Counters::bump(counter);
+        parts.into_iter().map(|(head, _)| (head, 0)).collect()
+    }
+
     fn transmit<M: GuestMemory>(&mut self, mem: &M, chain: DescriptorChain<&M>) -> u32 {
         let counters = &self.shared.counters;
         let Some(slices) = transmit_slices(mem, chain, self.max_tx_frame) else {
@@ -205,6 +280,24 @@ impl<M: GuestMemory> QueueHandler<M> for PairHandler {
         } else {
             self.transmit(mem, chain)
         }
+    }
+
+    fn multi_chain(&self, queue: u16) -> bool {
+        self.mergeable && queue == self.rx_queue()
+    }
+
+    fn handle_chains<'m>(
+        &mut self,
+        mem: &'m M,
+        queue: u16,
+        ring_size: u16,
+        chains: &mut dyn Iterator<Item = DescriptorChain<&'m M>>,
+    ) -> Option<Vec<(u16, u32)>> {
+        self.set_up();
+        if queue != self.rx_queue() {
+            return Some(Vec::new());
+        }
+        self.receive_merged(mem, ring_size, chains)
     }
 
     fn ready(&mut self, queue: u16) -> bool {
