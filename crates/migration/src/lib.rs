@@ -22,6 +22,7 @@ mod ram;
 mod receive;
 mod resident;
 mod sink;
+mod stages;
 mod stream;
 
 pub use bitmap::{words_for, Bitmap};
@@ -40,6 +41,7 @@ pub use receive::{
     receive, restore_from, AckSender, IncomingReport, IncomingResult, IncomingRound, Restored,
 };
 pub use resident::{touched_pages, Residency, ResidencyMethod};
+pub use stages::{DestinationStages, SourceStages};
 pub use stream::{
     encode_frame, page_crc, pages_frame_len, send_reply, wait_ack, EndInfo, Frame, Header, Kind,
     PagesHeader, RegionImage, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE, FORMAT_VERSION,

@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::pages::{send_pages, Sent};
 use crate::ram::{GuestRam, Layout, PAGE_SIZE};
 use crate::resident::{prefetch_swapped, touched_in, ResidencyMethod};
+use crate::stages::SourceStages;
 use crate::stream::{
     read_reply, wait_reply, EndInfo, Frame, RoundEndInfo, StreamWriter, MAX_STATE_TOTAL,
 };
@@ -189,6 +190,8 @@ pub struct MigrationReport {
     pub converged: bool,
     pub stop_reason: StopReason,
     pub max_throttle_percent: u8,
+    /// Where the source's time went.
+    pub stages: SourceStages,
 }
 
 /// Where the migration is.
@@ -268,6 +271,7 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     tracking: bool,
     throttle: u8,
     max_throttle: u8,
+    stages: SourceStages,
 }
 
 /// Migrates a running VM: streams its memory in pre-copy rounds to `out`, pauses it, sends
@@ -330,6 +334,7 @@ where
         tracking: false,
         throttle: 0,
         max_throttle: 0,
+        stages: SourceStages::default(),
     };
     match eng.run(config, dirty, vm) {
         Ok(report) => {
@@ -439,9 +444,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         THROTTLE_STEPS.iter().copied().find(|&s| s > self.throttle)
     }
 
-    fn take_dirty<D: DirtySource + ?Sized>(&self, dirty: &mut D) -> Result<Bitmap> {
+    fn take_dirty<D: DirtySource + ?Sized>(&mut self, dirty: &mut D) -> Result<Bitmap> {
+        let t = Instant::now();
         let mut d = dirty.take_dirty()?;
         d.conform(&self.layout.page_counts()).map_err(Error::Vmm)?;
+        self.stages.scan += t.elapsed();
         Ok(d)
     }
 
@@ -479,7 +486,9 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             // A live round ends when the destination has applied it: the bandwidth is then
             // measured end to end, and no backlog is left in socket buffers to drain while
             // the guest is paused.
+            let waiting = Instant::now();
             wait_reply(&mut self.ack, &Frame::RoundAck(index))?;
+            self.stages.round_ack_wait += waiting.elapsed();
         }
         let duration = t.elapsed();
         self.send_time += duration;
@@ -521,6 +530,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         dirty.start_tracking()?;
         let mut last_take = Instant::now();
         let residency = touched_in(&self.layout, self.file_pages.as_ref());
+        self.stages.scan += last_take.elapsed();
         let swapped_pages = residency.swapped.count();
         if swapped_pages > 0 {
             prefetch_swapped(&self.layout, &residency.swapped);
@@ -631,6 +641,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             stop_reason,
             max_throttle_percent: self.max_throttle,
             rounds: std::mem::take(&mut self.rounds),
+            stages: SourceStages {
+                inspect: self.w.inspect_time,
+                write: self.w.out.write_time,
+                ..self.stages.clone()
+            },
         })
     }
 

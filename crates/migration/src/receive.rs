@@ -10,6 +10,7 @@ use crate::config::{ConfigCheck, MigrationConfig};
 use crate::error::{Error, Result};
 use crate::pages::PageApplier;
 use crate::ram::{GuestRam, Layout};
+use crate::stages::DestinationStages;
 use crate::stream::{
     pages_frame_len, send_reply, Frame, StreamReader, MAX_STATE_TOTAL, ZERO_PAGES_FRAME_LEN,
 };
@@ -51,6 +52,8 @@ pub struct IncomingReport {
     /// stop-and-copy.
     #[serde(rename = "final_phase_ms", serialize_with = "ms")]
     pub final_phase: Duration,
+    /// Where the destination's time went.
+    pub stages: DestinationStages,
 }
 
 /// Sends the destination's final word to the source.
@@ -303,6 +306,12 @@ where
                     preexisting_pages_zeroed,
                     total_time: t0.elapsed(),
                     final_phase: last_live_end.elapsed(),
+                    stages: DestinationStages {
+                        populate: applier.populate_time,
+                        read: reader.page_read_time,
+                        crc: reader.crc_time,
+                        zero: applier.zero_time,
+                    },
                 };
                 return Ok((state, config, report));
             }

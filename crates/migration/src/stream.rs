@@ -488,6 +488,8 @@ pub const ZERO_PAGES_FRAME_LEN: u64 =
 pub struct StreamWriter<W: Write> {
     pub(crate) out: Out<W>,
     pub(crate) batch: Batch,
+    /// Time spent reading pages to send (zero check and CRC), for the stage timings.
+    pub(crate) inspect_time: std::time::Duration,
 }
 
 impl<W: Write> StreamWriter<W> {
@@ -500,6 +502,7 @@ impl<W: Write> StreamWriter<W> {
         StreamWriter {
             out: Out::new(inner, bytes_per_s),
             batch: Batch::new(),
+            inspect_time: std::time::Duration::ZERO,
         }
     }
 
@@ -641,6 +644,9 @@ pub struct StreamReader<R: Read> {
     header: Option<Header>,
     ranges: Option<Vec<RamRange>>,
     pending: Option<Pending>,
+    /// Time spent reading page data and checking its CRCs (stage timings).
+    pub(crate) page_read_time: std::time::Duration,
+    pub(crate) crc_time: std::time::Duration,
 }
 
 impl<R: Read> StreamReader<R> {
@@ -654,6 +660,8 @@ impl<R: Read> StreamReader<R> {
             header: None,
             ranges: None,
             pending: None,
+            page_read_time: std::time::Duration::ZERO,
+            crc_time: std::time::Duration::ZERO,
         }
     }
 
@@ -1059,10 +1067,13 @@ impl<R: Read> StreamReader<R> {
             )));
         }
         let start = p.offset;
+        let t = std::time::Instant::now();
         self.fill(dst, &|| {
             format!("the page data of the Pages frame at byte {start}")
         })?;
+        let t = crate::stages::lap(&mut self.page_read_time, t);
         let computed: Vec<u32> = dst.chunks_exact(PAGE_USIZE).map(page_crc).collect();
+        crate::stages::lap(&mut self.crc_time, t);
         self.finish_pages(p, &computed)
     }
 

@@ -224,6 +224,7 @@ pub fn report_json(r: &MigrationReport) -> Value {
         "converged": r.converged,
         "stop_reason": format!("{:?}", r.stop_reason),
         "max_throttle_percent": r.max_throttle_percent,
+        "stages": r.stages,
     })
 }
 
@@ -815,7 +816,11 @@ fn receive_from(
     Ok(Incoming {
         state: MachineState::from_bytes(&result.state)?,
         ack: result.ack,
-        figures: json!({"receive_ms": ms(started.elapsed())}),
+        figures: json!({
+            "receive_ms": ms(started.elapsed()),
+            "bytes": result.report.bytes_total,
+            "stages": result.report.stages,
+        }),
     })
 }
 
