@@ -208,7 +208,11 @@ fn snapshot_and_restore_continue_where_the_guest_was() {
 }
 
 fn migrate_on_loopback(cpus: &str, irqchip: &str) {
-    let dir = scratch(&format!("loop-{cpus}-{irqchip}"));
+    migrate_on_loopback_with(cpus, irqchip, &[]);
+}
+
+fn migrate_on_loopback_with(cpus: &str, irqchip: &str, options: &[&str]) {
+    let dir = scratch(&format!("loop-{cpus}-{irqchip}-{}", options.join("")));
     let port = free_port();
     let listen = format!("tcp:127.0.0.1:{port}");
     let shape = ["--memory", "256M", "--cpus", cpus, "--irqchip", irqchip];
@@ -217,7 +221,9 @@ fn migrate_on_loopback(cpus: &str, irqchip: &str) {
     let dest = Vm::start(&dest_args, &dir, "dest", true);
     let mut source = start_dirty_source(&dir, &shape, 32);
     let before = last_pass(&source.output());
-    let run = source.ctl(&["--json", "migrate", &listen]);
+    let mut args = vec!["--json", "migrate", &listen];
+    args.extend_from_slice(options);
+    let run = source.ctl(&args);
     run.expect_status(0);
     let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
     let report = &reply["report"];
@@ -252,6 +258,12 @@ fn live_migration_loopback_2_vcpus_kernel_irqchip() {
     migrate_on_loopback("2", "kernel");
 }
 
+/// Pages striped over four connections (three data connections beside the control one).
+#[test]
+fn live_migration_over_4_connections() {
+    migrate_on_loopback_with("2", "kernel", &["--connections", "4"]);
+}
+
 #[test]
 fn live_migration_loopback_1_vcpu_split_irqchip() {
     migrate_on_loopback("1", "split");
@@ -270,11 +282,41 @@ enum Fault {
     FlipByteAt(u64),
 }
 
-fn relay(fault: Fault, to: u16) -> u16 {
+/// Pipes one connection to the destination both ways, untouched.
+fn forward(src: TcpStream, to: u16) {
+    let dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
+    for (mut a, mut b) in [
+        (src.try_clone().unwrap(), dst.try_clone().unwrap()),
+        (dst, src),
+    ] {
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut a, &mut b);
+            let _ = b.shutdown(Shutdown::Write);
+        });
+    }
+}
+
+/// A relay whose connection number `nth` (0: the control connection, 1...: a migration's
+/// data connections, in the order they connect) misbehaves; the others pass untouched.
+fn relay_nth(fault: Fault, nth: usize, to: u16) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     std::thread::spawn(move || {
-        let (mut src, _) = listener.accept().unwrap();
+        let mut src = None;
+        for (i, conn) in listener.incoming().enumerate() {
+            let conn = conn.unwrap();
+            if i == nth {
+                src = Some(conn);
+                break;
+            }
+            forward(conn, to);
+        }
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                forward(conn.unwrap(), to);
+            }
+        });
+        let mut src = src.unwrap();
         let mut dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
         let (mut src_r, mut dst_w) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
         // Replies flow back untouched.
@@ -319,6 +361,24 @@ fn failed_migration_leaves_source_running(
     fault: Option<Fault>,
     kill_dest_after: Option<Duration>,
 ) {
+    failed_migration_over(
+        name,
+        dest_memory,
+        fault.map(|f| (f, 0)),
+        kill_dest_after,
+        None,
+    );
+}
+
+/// [`failed_migration_leaves_source_running`] over `connections` connections, the fault on
+/// connection `nth` (0: control).
+fn failed_migration_over(
+    name: &str,
+    dest_memory: &str,
+    fault: Option<(Fault, usize)>,
+    kill_dest_after: Option<Duration>,
+    connections: Option<u32>,
+) {
     let dir = scratch(name);
     let port = free_port();
     let listen = format!("tcp:127.0.0.1:{port}");
@@ -330,7 +390,7 @@ fn failed_migration_leaves_source_running(
     );
     let mut source = start_dirty_source(&dir, &["--memory", "256M"], 32);
     let target = match fault {
-        Some(f) => format!("tcp:127.0.0.1:{}", relay(f, port)),
+        Some((f, nth)) => format!("tcp:127.0.0.1:{}", relay_nth(f, nth, port)),
         None => listen.clone(),
     };
     let killer = kill_dest_after.map(|after| {
@@ -342,7 +402,12 @@ fn failed_migration_leaves_source_running(
         })
     });
     // A low bandwidth keeps the migration in flight long enough for the faults.
-    let run = source.ctl(&["migrate", &target, "--max-bandwidth", "20000000"]);
+    let connections = connections.map(|c| c.to_string());
+    let mut args = vec!["migrate", &target, "--max-bandwidth", "20000000"];
+    if let Some(c) = &connections {
+        args.extend_from_slice(&["--connections", c]);
+    }
+    let run = source.ctl(&args);
     if let Some(k) = killer {
         k.join().unwrap();
     }
@@ -352,12 +417,18 @@ fn failed_migration_leaves_source_running(
         "the migration must fail:\n{}",
         run.stdout
     );
-    assert!(
-        run.stderr.contains("keeps running"),
-        "the error says the guest runs on: {}",
-        run.stderr
-    );
-    assert!(source.running(), "the source VMM must still run");
+    if !source.running() {
+        let (status, err) = source.wait(Duration::from_secs(5));
+        panic!("the source VMM exited ({status:?}): {err}");
+    }
+    if !run.stderr.contains("keeps running") {
+        let _ = source.child.kill();
+        let (_, err) = source.wait(Duration::from_secs(5));
+        panic!(
+            "the error says the guest runs on: {}; source: {err}",
+            run.stderr
+        );
+    }
     let status = source.ctl(&["--json", "status"]);
     assert!(
         status.stdout.contains("\"state\":\"running\""),
@@ -387,6 +458,42 @@ fn destination_killed_mid_round() {
         "256M",
         None,
         Some(Duration::from_millis(400)),
+    );
+}
+
+/// Data connections: a cut data connection, and a cut control connection while data
+/// connections carry pages, both fail the one migration and leave the source running.
+#[test]
+fn data_connection_cut_mid_stream() {
+    failed_migration_over(
+        "cut-data",
+        "256M",
+        Some((Fault::CutAfter(2 << 20), 2)),
+        None,
+        Some(3),
+    );
+}
+
+#[test]
+fn control_connection_cut_with_data_connections() {
+    failed_migration_over(
+        "cut-control",
+        "256M",
+        Some((Fault::CutAfter(1 << 20), 0)),
+        None,
+        Some(3),
+    );
+}
+
+/// The destination killed while three connections carry round 0.
+#[test]
+fn destination_killed_mid_round_with_data_connections() {
+    failed_migration_over(
+        "killed-data",
+        "256M",
+        None,
+        Some(Duration::from_millis(400)),
+        Some(3),
     );
 }
 
@@ -1212,6 +1319,12 @@ fn ack_swallowing_relay(to: u16) -> u16 {
     std::thread::spawn(move || {
         let (mut src, _) = listener.accept().unwrap();
         let mut dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
+        // Data connections pass untouched.
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                forward(conn.unwrap(), to);
+            }
+        });
         let (mut src_r, mut dst_w) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
         std::thread::spawn(move || {
             let _ = std::io::copy(&mut src_r, &mut dst_w);

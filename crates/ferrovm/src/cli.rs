@@ -299,6 +299,10 @@ pub enum CtlRequest {
         /// Pause the guest first and copy everything (for accelerators without dirty tracking).
         #[arg(long)]
         warm: bool,
+        /// TCP connections to stripe the pages over (default: host CPUs, at most 4; 1 for a
+        /// destination of an earlier build).
+        #[arg(long, value_name = "N")]
+        connections: Option<u32>,
     },
     /// Stop the migration in progress; the guest runs on here (or stays paused if it was).
     MigrateCancel,

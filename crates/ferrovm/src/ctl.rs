@@ -40,6 +40,7 @@ fn request_json(request: &CtlRequest) -> anyhow::Result<Value> {
             max_time_s,
             auto_converge,
             warm,
+            connections,
         } => json!({
             "op": "migrate",
             "destination": destination,
@@ -49,6 +50,7 @@ fn request_json(request: &CtlRequest) -> anyhow::Result<Value> {
             "max_time_s": max_time_s,
             "auto_converge": auto_converge,
             "warm": warm,
+            "connections": connections,
         }),
     })
 }

@@ -82,18 +82,53 @@ pub(crate) fn send_pages<W: Write>(
     live: bool,
     tick: &mut dyn FnMut(u64, &Sent),
 ) -> Result<Sent> {
-    let res = send_pages_inner(w, layout, set, live, tick);
+    let mut ws = [w];
+    let sent = send_pages_striped(&mut ws, layout, set, live, tick)?;
+    Ok(sent[0])
+}
+
+/// Pages per frame when pages are striped over several connections: small enough that
+/// every connection gets data often, large enough to keep the framing overhead at 0.4 %.
+const STRIPE_PAGES: u32 = 256;
+
+/// [`send_pages`] over several connections: each `Pages` frame goes to the next connection
+/// in turn (a `ZeroPages` frame to the current one). Returns what went on each.
+pub(crate) fn send_pages_striped<W: Write>(
+    ws: &mut [&mut StreamWriter<W>],
+    layout: &Layout,
+    set: &Bitmap,
+    live: bool,
+    tick: &mut dyn FnMut(u64, &Sent),
+) -> Result<Vec<Sent>> {
+    let mut stripe = Stripe {
+        sent: vec![Sent::default(); ws.len()],
+        total: Sent::default(),
+        next: 0,
+        max_pages: if ws.len() > 1 {
+            STRIPE_PAGES
+        } else {
+            MAX_PAGES_PER_FRAME
+        },
+    };
+    let res = send_pages_inner(ws, layout, set, live, &mut stripe, tick);
     // Whatever happened, no guest reference may stay queued past this point.
-    match res {
-        Ok(sent) => {
-            w.batch.flush_to(&mut w.out)?;
-            Ok(sent)
+    let mut flushed = Ok(());
+    for w in ws.iter_mut() {
+        if res.is_ok() && flushed.is_ok() {
+            flushed = w.batch.flush_to(&mut w.out);
         }
-        Err(e) => {
-            w.batch.clear();
-            Err(e)
-        }
+        w.batch.clear();
     }
+    res.and(flushed).map(|_| stripe.sent)
+}
+
+/// Where the frames of a round go, and what went where.
+struct Stripe {
+    sent: Vec<Sent>,
+    total: Sent,
+    /// The connection the next `Pages` frame goes to.
+    next: usize,
+    max_pages: u32,
 }
 
 struct Group {
@@ -105,13 +140,13 @@ struct Group {
 }
 
 fn send_pages_inner<W: Write>(
-    w: &mut StreamWriter<W>,
+    ws: &mut [&mut StreamWriter<W>],
     layout: &Layout,
     set: &Bitmap,
     live: bool,
+    stripe: &mut Stripe,
     tick: &mut dyn FnMut(u64, &Sent),
-) -> Result<Sent> {
-    let mut sent = Sent::default();
+) -> Result<()> {
     let mut buf = PageBuf::new();
     let mut done = 0u64;
     let mut g = Group {
@@ -121,6 +156,7 @@ fn send_pages_inner<W: Write>(
         count: 0,
         crcs: Vec::with_capacity(MAX_PAGES_PER_FRAME as usize),
     };
+    let mut inspect_time = std::time::Duration::ZERO;
     for (ri, r) in layout.regions.iter().enumerate() {
         let npages = r.size / PAGE_SIZE;
         for (start, count) in set.runs(ri, u64::MAX) {
@@ -128,12 +164,12 @@ fn send_pages_inner<W: Write>(
             for p in start..end {
                 let t = std::time::Instant::now();
                 let crc = inspect(layout.host_page(ri, p), &mut buf);
-                w.inspect_time += t.elapsed();
+                inspect_time += t.elapsed();
                 let zero = crc.is_none();
                 let full = if g.zero {
                     g.count >= MAX_ZERO_RUN
                 } else {
-                    g.count >= MAX_PAGES_PER_FRAME
+                    g.count >= stripe.max_pages
                 };
                 if g.count > 0
                     && (g.zero != zero
@@ -141,7 +177,7 @@ fn send_pages_inner<W: Write>(
                         || g.first + u64::from(g.count) != p
                         || full)
                 {
-                    emit(w, layout, &mut g, live, &mut sent)?;
+                    emit(ws, layout, &mut g, live, stripe)?;
                 }
                 if g.count == 0 {
                     g.zero = zero;
@@ -154,42 +190,63 @@ fn send_pages_inner<W: Write>(
                 }
                 done += 1;
                 if done.is_multiple_of(4096) {
-                    tick(done, &sent);
+                    tick(done, &stripe.total);
                 }
             }
             // Runs are maximal, so the group cannot continue past a gap.
-            emit(w, layout, &mut g, live, &mut sent)?;
+            emit(ws, layout, &mut g, live, stripe)?;
         }
     }
-    tick(done, &sent);
-    Ok(sent)
+    ws[0].inspect_time += inspect_time;
+    tick(done, &stripe.total);
+    Ok(())
 }
 
 fn emit<W: Write>(
-    w: &mut StreamWriter<W>,
+    ws: &mut [&mut StreamWriter<W>],
     layout: &Layout,
     g: &mut Group,
     live: bool,
-    sent: &mut Sent,
+    stripe: &mut Stripe,
 ) -> Result<()> {
     if g.count == 0 {
         return Ok(());
     }
     let addr = layout.regions[g.region].guest_addr + g.first * PAGE_SIZE;
-    if g.zero {
+    let i = stripe.next;
+    let lanes = ws.len();
+    let w = &mut *ws[i];
+    let add = if g.zero {
         w.write_frame(&Frame::ZeroPages {
             addr,
             count: g.count,
         })?;
-        sent.zero_pages += u64::from(g.count);
-        sent.bytes += ZERO_PAGES_FRAME_LEN;
+        Sent {
+            pages: 0,
+            zero_pages: u64::from(g.count),
+            bytes: ZERO_PAGES_FRAME_LEN,
+        }
     } else {
         let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
         queue_guest_pages(&mut w.batch, layout, g.region, g.first, u64::from(g.count));
         w.batch.push_bytes(&trailer);
-        sent.pages += u64::from(g.count);
-        sent.bytes += pages_frame_len(u64::from(g.count));
-        w.maybe_flush()?;
+        if lanes > 1 {
+            // Each connection gets its frame at once, so that all of them stay busy.
+            w.batch.flush_to(&mut w.out)?;
+            stripe.next = (i + 1) % lanes;
+        } else {
+            w.maybe_flush()?;
+        }
+        Sent {
+            pages: u64::from(g.count),
+            zero_pages: 0,
+            bytes: pages_frame_len(u64::from(g.count)),
+        }
+    };
+    for s in [&mut stripe.sent[i], &mut stripe.total] {
+        s.pages += add.pages;
+        s.zero_pages += add.zero_pages;
+        s.bytes += add.bytes;
     }
     g.count = 0;
     g.crcs.clear();
@@ -249,6 +306,49 @@ fn populate_for_write(ptr: *mut u8, len: usize) {
     let _ = (ptr, len);
 }
 
+/// The destination pages of one `Pages` frame, located and checked.
+struct PagesTarget {
+    region: usize,
+    first: u64,
+    ptr: *mut u8,
+    /// Fresh memory: populate it before the data is read into it.
+    populate: bool,
+    populate_time: std::time::Duration,
+}
+
+impl PagesTarget {
+    /// Reads the frame's page data straight into guest memory; returns the pages that
+    /// failed their CRC (torn, in a live round).
+    fn read<R: Read>(&mut self, reader: &mut StreamReader<R>, h: &PagesHeader) -> Result<Vec<u32>> {
+        let len = h.count as usize * PAGE_USIZE;
+        if self.populate {
+            let t = std::time::Instant::now();
+            populate_for_write(self.ptr, len);
+            self.populate_time = t.elapsed();
+        }
+        // SAFETY: `begin_pages` located the pages inside one region, a live, writable mapping
+        // (GuestRam contract, checked `writable`). The destination guest does not run while it
+        // receives (contract of `receive`/`restore_from`), and the pages of one round are
+        // sent once, on one connection, so nothing else accesses these bytes while the slice
+        // exists; it is dropped before this function returns.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr, len) };
+        reader.read_page_data(dst)
+    }
+}
+
+/// Applies the `Pages` frame `h` from `reader` with an applier shared between connections:
+/// the data is read into guest memory without holding the lock.
+pub(crate) fn apply_pages_shared<R: Read>(
+    applier: &std::sync::Mutex<PageApplier>,
+    reader: &mut StreamReader<R>,
+    h: &PagesHeader,
+) -> Result<()> {
+    let mut target = crate::lanes::lock(applier)?.begin_pages(h)?;
+    let bad = target.read(reader, h)?;
+    crate::lanes::lock(applier)?.end_pages(&target, h.count, bad);
+    Ok(())
+}
+
 /// The receiving side: applies page frames to guest memory and keeps track of pages that
 /// arrived torn during live rounds.
 pub(crate) struct PageApplier {
@@ -263,6 +363,11 @@ pub(crate) struct PageApplier {
     pub populate_time: std::time::Duration,
     pub zero_time: std::time::Duration,
 }
+
+// SAFETY: the raw pointers in the layout point into guest RAM, which `receive` borrows for
+// as long as any connection's thread runs (the threads are joined before it returns); every
+// access to the pointed-to pages goes through this applier's checks.
+unsafe impl Send for PageApplier {}
 
 impl PageApplier {
     /// An applier onto destination memory no vCPU uses: the pages found holding data
@@ -325,32 +430,27 @@ impl PageApplier {
         }
     }
 
-    /// Reads the data of the `Pages` frame `h` straight into guest memory.
-    pub fn apply_pages<R: Read>(
-        &mut self,
-        reader: &mut StreamReader<R>,
-        h: &PagesHeader,
-    ) -> Result<()> {
-        let (ri, first) = self.locate(h.addr, h.count)?;
-        let ptr = self.layout.host_page(ri, first);
-        if !self.maybe_nonzero.get(ri, first) {
-            let t = std::time::Instant::now();
-            populate_for_write(ptr, h.count as usize * PAGE_USIZE);
-            self.populate_time += t.elapsed();
-        }
-        // SAFETY: `locate` checked that the pages lie inside region `ri`, a live, writable
-        // mapping (GuestRam contract, checked `writable`). The destination guest does not run
-        // while it receives (contract of `receive`/`restore_from`), so nothing else accesses
-        // these bytes while the slice exists; it is dropped before this function returns.
-        let dst = unsafe { std::slice::from_raw_parts_mut(ptr, h.count as usize * PAGE_USIZE) };
-        let bad = reader.read_page_data(dst)?;
+    /// Where the pages of `h` go, checked against the RAM layout.
+    fn begin_pages(&self, h: &PagesHeader) -> Result<PagesTarget> {
+        let (region, first) = self.locate(h.addr, h.count)?;
+        Ok(PagesTarget {
+            region,
+            first,
+            ptr: self.layout.host_page(region, first),
+            populate: !self.maybe_nonzero.get(region, first),
+            populate_time: std::time::Duration::ZERO,
+        })
+    }
+
+    /// Records the pages of a frame as written, and those that arrived torn.
+    fn end_pages(&mut self, t: &PagesTarget, count: u32, bad: Vec<u32>) {
+        self.populate_time += t.populate_time;
         let mut bad = bad.into_iter().peekable();
-        for i in 0..u64::from(h.count) {
-            self.maybe_nonzero.set(ri, first + i);
+        for i in 0..u64::from(count) {
+            self.maybe_nonzero.set(t.region, t.first + i);
             let torn = bad.next_if(|&b| u64::from(b) == i).is_some();
-            self.set_torn(ri, first + i, torn);
+            self.set_torn(t.region, t.first + i, torn);
         }
-        Ok(())
     }
 
     /// Zeroes the pages of a `ZeroPages` frame that may hold data.

@@ -29,7 +29,7 @@ use serde::{Serialize, Serializer};
 use crate::bitmap::Bitmap;
 use crate::config::MigrationConfig;
 use crate::error::{Error, Result};
-use crate::pages::{send_pages, Sent};
+use crate::pages::{send_pages, send_pages_striped, Sent};
 use crate::ram::{GuestRam, Layout, PAGE_SIZE};
 use crate::resident::{prefetch_swapped, touched_in, ResidencyMethod};
 use crate::stages::SourceStages;
@@ -256,6 +256,8 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     /// Pages mapped from a snapshot file (lazy restore): they hold data even when absent.
     file_pages: Option<Bitmap>,
     w: StreamWriter<W>,
+    /// Data connections: pages are striped over `w` and these.
+    lanes: Vec<StreamWriter<W>>,
     ack: R,
     params: &'a MigrationParams,
     meter: Meter<P>,
@@ -305,14 +307,66 @@ where
     R: Read,
     P: FnMut(&Progress),
 {
+    migrate_parallel(
+        ram,
+        config,
+        dirty,
+        vm,
+        out,
+        Vec::new(),
+        ack_in,
+        params,
+        progress,
+    )
+}
+
+/// [`migrate`] with data connections besides the control connection `out` (connected to
+/// the same destination, which accepts them with [`crate::receive_parallel`]): pages are
+/// striped over all of them, while rounds, state and `End` keep their order on `out`. It is
+/// still one migration: any connection failing fails it, with the guaranties of
+/// [`migrate`]. A bandwidth limit is shared evenly between the connections.
+#[allow(clippy::too_many_arguments)]
+pub fn migrate_parallel<G, D, V, W, R, P>(
+    ram: &G,
+    config: &MigrationConfig,
+    dirty: &mut D,
+    vm: &mut V,
+    out: W,
+    data: Vec<W>,
+    ack_in: R,
+    params: &MigrationParams,
+    progress: P,
+) -> Result<MigrationReport>
+where
+    G: GuestRam + ?Sized,
+    D: DirtySource + ?Sized,
+    V: VmControl + ?Sized,
+    W: Write,
+    R: Read,
+    P: FnMut(&Progress),
+{
     params.validate()?;
+    if data.len() > crate::stream::MAX_DATA_CONNECTIONS as usize {
+        return Err(Error::Param(format!(
+            "{} data connections, at most {} allowed",
+            data.len(),
+            crate::stream::MAX_DATA_CONNECTIONS
+        )));
+    }
+    let share = params
+        .max_bandwidth
+        .map(|b| (b / (data.len() as u64 + 1)).max(1));
     let layout = Layout::of(ram)?;
     check_config_matches_ram(config, &layout)?;
     let t0 = Instant::now();
     let mut eng = Engine {
         layout,
         file_pages: ram.file_data_pages(),
-        w: StreamWriter::with_max_bandwidth(out, params.max_bandwidth),
+        w: StreamWriter::with_max_bandwidth(out, share),
+        lanes: data
+            .into_iter()
+            .map(|d| StreamWriter::with_max_bandwidth(d, share))
+            .collect(),
         ack: ack_in,
         params,
         meter: Meter {
@@ -433,6 +487,33 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
     }
 
+    /// Bytes written on every connection.
+    fn bytes_written(&self) -> u64 {
+        self.w.bytes_written() + self.lanes.iter().map(|l| l.bytes_written()).sum::<u64>()
+    }
+
+    /// Opens the data connections: each starts with the header and its `Join`; the control
+    /// connection announces them.
+    fn open_lanes(&mut self) -> Result<()> {
+        if self.lanes.is_empty() {
+            return Ok(());
+        }
+        let token = lane_token();
+        for (i, lane) in self.lanes.iter_mut().enumerate() {
+            lane.write_header()?;
+            lane.write_frame(&Frame::Join {
+                token,
+                index: i as u32 + 1,
+            })?;
+            lane.flush()?;
+        }
+        self.w.write_frame(&Frame::Connections {
+            count: self.lanes.len() as u32,
+            token,
+        })?;
+        self.w.flush()
+    }
+
     fn set_throttle<V: VmControl + ?Sized>(&mut self, vm: &mut V, percent: u8) {
         self.throttle = percent;
         self.max_throttle = self.max_throttle.max(percent);
@@ -457,21 +538,40 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let index = self.rounds.len() as u32;
         let t = Instant::now();
         self.meter.round = index;
-        let base = self.w.bytes_written();
+        let base = self.bytes_written();
         let meter = &mut self.meter;
-        let sent = send_pages(
-            &mut self.w,
-            &self.layout,
-            set,
-            live,
-            &mut |done, s: &Sent| {
+        let mut ws: Vec<&mut StreamWriter<W>> = std::iter::once(&mut self.w)
+            .chain(self.lanes.iter_mut())
+            .collect();
+        let per_lane =
+            send_pages_striped(&mut ws, &self.layout, set, live, &mut |done, s: &Sent| {
                 meter.emit(
                     base + s.bytes,
                     found.saturating_sub(done) * PAGE_SIZE,
                     false,
                 )
-            },
-        )?;
+            })?;
+        let duration_us = t.elapsed().as_micros() as u64;
+        let mut sent = Sent::default();
+        for (i, s) in per_lane.iter().enumerate() {
+            sent.pages += s.pages;
+            sent.zero_pages += s.zero_pages;
+            sent.bytes += s.bytes;
+            if i > 0 {
+                // Each data connection ends the round with its own counts.
+                let lane = &mut self.lanes[i - 1];
+                lane.write_frame(&Frame::RoundEnd(RoundEndInfo {
+                    round: index,
+                    final_round: !live,
+                    pages: s.pages,
+                    zero_pages: s.zero_pages,
+                    bytes: s.bytes,
+                    dirty_pages_found: 0,
+                    duration_us,
+                }))?;
+                lane.flush()?;
+            }
+        }
         self.w.write_frame(&Frame::RoundEnd(RoundEndInfo {
             round: index,
             final_round: !live,
@@ -479,7 +579,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             zero_pages: sent.zero_pages,
             bytes: sent.bytes,
             dirty_pages_found: found,
-            duration_us: t.elapsed().as_micros() as u64,
+            duration_us,
         }))?;
         self.w.flush()?;
         if live {
@@ -523,6 +623,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         self.w.write_frame(&Frame::Config(config.clone()))?;
         self.w.flush()?;
         wait_reply(&mut self.ack, &Frame::Ready)?;
+        self.open_lanes()?;
 
         // Round 0: the pages that hold data. Tracking starts first, so a page the guest
         // writes after the scan is caught by the dirty log.
@@ -538,7 +639,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let touched = residency.pages.count();
         let residency_method = residency.method;
         self.meter
-            .emit(self.w.bytes_written(), touched * PAGE_SIZE, true);
+            .emit(self.bytes_written(), touched * PAGE_SIZE, true);
         self.round(&residency.pages, true, touched)?;
         drop(residency.swapped);
 
@@ -554,7 +655,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             let bw = self.bandwidth();
             let estimate = Duration::from_secs_f64(((found * PAGE_SIZE) as f64 / bw).min(1e9));
             self.meter
-                .emit(self.w.bytes_written(), found * PAGE_SIZE, true);
+                .emit(self.bytes_written(), found * PAGE_SIZE, true);
             if estimate <= target {
                 break (d, StopReason::Converged, estimate);
             }
@@ -618,7 +719,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         self.final_sent = true;
         let stop_and_copy = t_pause.elapsed();
         self.meter.phase = Phase::WaitingAck;
-        self.meter.emit(self.w.bytes_written(), 0, true);
+        self.meter.emit(self.bytes_written(), 0, true);
         self.hand_over(vm)?;
         let downtime = t_pause.elapsed();
 
@@ -628,7 +729,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             downtime_estimate: estimate,
             downtime,
             stop_and_copy,
-            bytes_total: self.w.bytes_written(),
+            bytes_total: self.bytes_written(),
             pages_total: sent.0,
             zero_pages_total: sent.1,
             touched_pages: touched,
@@ -643,7 +744,12 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             rounds: std::mem::take(&mut self.rounds),
             stages: SourceStages {
                 inspect: self.w.inspect_time,
-                write: self.w.out.write_time,
+                write: self.w.out.write_time
+                    + self
+                        .lanes
+                        .iter()
+                        .map(|l| l.out.write_time)
+                        .sum::<Duration>(),
                 ..self.stages.clone()
             },
         })
@@ -670,6 +776,15 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
         wait_reply(&mut self.ack, &Frame::Ack)
     }
+}
+
+/// A token that ties the data connections to their migration (not a secret: it keeps a
+/// stray connection from joining the wrong migration).
+fn lane_token() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 32) ^ 0x9e37_79b9_7f4a_7c15
 }
 
 /// What a snapshot wrote.

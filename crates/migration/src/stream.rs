@@ -54,6 +54,8 @@ pub const PAGES_FIXED_LEN: usize = 16;
 /// `Pages` frame flag: sent while the guest was running; a page whose CRC does not match may
 /// have been torn by a guest write and must be sent again later in the stream.
 pub const FLAG_LIVE: u8 = 1;
+/// Most data connections a migration may open besides its control connection.
+pub const MAX_DATA_CONNECTIONS: u32 = 15;
 /// Largest total device/vCPU state accepted (the sum of all `State` frames).
 pub const MAX_STATE_TOTAL: usize = 256 << 20;
 
@@ -86,6 +88,12 @@ pub enum Kind {
     /// Reply: the destination has applied the final state and asks the source to let go of
     /// what it must take over (disk image locks) before it runs the guest.
     Handover = 13,
+    /// Control connection, right after `Config`: `count` data connections join this
+    /// migration (each opens with `Join` carrying the same token); pages are striped over
+    /// them and the control connection.
+    Connections = 14,
+    /// First frame of a data connection: the migration's token and the connection's index.
+    Join = 15,
 }
 
 impl Kind {
@@ -104,6 +112,8 @@ impl Kind {
             11 => Kind::Images,
             12 => Kind::DataPages,
             13 => Kind::Handover,
+            14 => Kind::Connections,
+            15 => Kind::Join,
             _ => return None,
         })
     }
@@ -123,6 +133,8 @@ impl Kind {
             Kind::Images => "Images",
             Kind::DataPages => "DataPages",
             Kind::Handover => "Handover",
+            Kind::Connections => "Connections",
+            Kind::Join => "Join",
         }
     }
 
@@ -131,7 +143,7 @@ impl Kind {
             Kind::Config => MAX_CONFIG_LEN,
             Kind::Pages | Kind::State | Kind::DataPages => MAX_FRAME_PAYLOAD,
             Kind::Images => IMAGES_FIXED_LEN + IMAGE_ENTRY_LEN * MAX_IMAGE_REGIONS,
-            Kind::ZeroPages => PAGES_FIXED_LEN as u32,
+            Kind::ZeroPages | Kind::Connections | Kind::Join => PAGES_FIXED_LEN as u32,
             Kind::RoundEnd => ROUND_END_LEN,
             Kind::End => END_LEN,
             Kind::Error => MAX_ERROR_LEN,
@@ -143,7 +155,7 @@ impl Kind {
     /// Fixed payload length, for kinds that have one.
     fn fixed_len(self) -> Option<u32> {
         match self {
-            Kind::ZeroPages => Some(PAGES_FIXED_LEN as u32),
+            Kind::ZeroPages | Kind::Connections | Kind::Join => Some(PAGES_FIXED_LEN as u32),
             Kind::RoundEnd => Some(ROUND_END_LEN),
             Kind::End => Some(END_LEN),
             Kind::Ready | Kind::Ack | Kind::Handover => Some(0),
@@ -269,6 +281,16 @@ pub enum Frame {
     DataPages {
         addr: u64,
         crcs: Vec<u32>,
+    },
+    /// Control connection: `count` data connections carry pages too (see [`Kind::Connections`]).
+    Connections {
+        count: u32,
+        token: u64,
+    },
+    /// Opens a data connection: connection `index` (1..=count) of the migration `token`.
+    Join {
+        token: u64,
+        index: u32,
     },
 }
 
@@ -418,6 +440,18 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>> {
             encode_simple(Kind::Images, &p, &mut out);
         }
         Frame::DataPages { addr, crcs } => encode_data_pages(*addr, crcs, &mut out)?,
+        Frame::Connections { count, token } => {
+            let mut p = [0u8; PAGES_FIXED_LEN];
+            p[..4].copy_from_slice(&count.to_le_bytes());
+            p[8..].copy_from_slice(&token.to_le_bytes());
+            encode_simple(Kind::Connections, &p, &mut out);
+        }
+        Frame::Join { token, index } => {
+            let mut p = [0u8; PAGES_FIXED_LEN];
+            p[..8].copy_from_slice(&token.to_le_bytes());
+            p[8..12].copy_from_slice(&index.to_le_bytes());
+            encode_simple(Kind::Join, &p, &mut out);
+        }
     }
     Ok(out)
 }
@@ -728,6 +762,15 @@ impl<R: Read> StreamReader<R> {
         Ok(())
     }
 
+    /// For a reader that starts after the header (read on another reader of the same
+    /// connection): a version 1 stream.
+    pub(crate) fn assume_header_read(&mut self) {
+        self.header = Some(Header {
+            version: FORMAT_VERSION,
+            flags: 0,
+        });
+    }
+
     /// Reads and checks the stream header (done by the first `next_frame` if not called).
     pub fn read_header(&mut self) -> Result<Header> {
         if let Some(h) = self.header {
@@ -985,6 +1028,30 @@ impl<R: Read> StreamReader<R> {
                         .chunks_exact(4)
                         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                         .collect(),
+                }
+            }
+            Kind::Connections => {
+                if u32_at(4) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                let count = u32_at(0);
+                if count == 0 || count > MAX_DATA_CONNECTIONS {
+                    return Err(malformed(format!(
+                        "{count} data connections (1 to {MAX_DATA_CONNECTIONS} allowed)"
+                    )));
+                }
+                Frame::Connections {
+                    count,
+                    token: u64_at(8),
+                }
+            }
+            Kind::Join => {
+                if u32_at(12) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                Frame::Join {
+                    token: u64_at(0),
+                    index: u32_at(8),
                 }
             }
             Kind::Pages => return Err(malformed("unexpected Pages frame".into())),

@@ -325,7 +325,8 @@ impl MachineOps for Core {
         stream.set_read_timeout(Some(PEER_TIMEOUT))?;
         let _ = stream.set_nodelay(true);
         cancel.attach(stream.try_clone()?)?;
-        let result = self.migrate_over(stream, request, paused, cancel, progress);
+        let lanes = connect_lanes(&addr, request.connections, here)?;
+        let result = self.migrate_over(stream, lanes, request, paused, cancel, progress);
         self.control.set_throttle(0);
         match result {
             // The destination runs the guest now; the API ends this copy once the reply is
@@ -347,6 +348,7 @@ impl Core {
     fn migrate_over(
         &self,
         stream: TcpStream,
+        lanes: Vec<TcpStream>,
         request: &MigrateRequest,
         paused: bool,
         cancel: &MigrationCancel,
@@ -390,12 +392,16 @@ impl Core {
         }
         // After a lazy restore, pages still mapped from the snapshot file hold data too.
         let data_pages = self.restored.get().map(|m| m.data_pages());
-        let result = migration::migrate(
+        let result = migration::migrate_parallel(
             &migration::FileBackedRam::new(&*self.memory, data_pages),
             &self.config,
             dirty,
             &mut control,
             BufWriter::with_capacity(1 << 20, stream),
+            lanes
+                .into_iter()
+                .map(|l| BufWriter::with_capacity(1 << 20, l))
+                .collect(),
             BufReader::new(ack_in),
             &params,
             |p: &Progress| {
@@ -411,6 +417,34 @@ impl Core {
         }
         result
     }
+}
+
+/// Connections a migration uses by default: one per host CPU, at most 4.
+fn default_connections() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4) as u32)
+}
+
+/// Opens the data connections of a migration to `addr` (all but the control connection).
+fn connect_lanes(addr: &str, requested: Option<u32>, here: &str) -> Result<Vec<TcpStream>> {
+    let total = requested.unwrap_or_else(default_connections);
+    if total == 0 || total > migration::MAX_DATA_CONNECTIONS + 1 {
+        return Err(Error::Migration(format!(
+            "--connections {total}: 1 to {} allowed ({here})",
+            migration::MAX_DATA_CONNECTIONS + 1
+        )));
+    }
+    (1..total)
+        .map(|_| {
+            let s = connect(addr).map_err(|e| match e {
+                Error::Migration(m) => Error::Migration(format!("data connection: {m} ({here})")),
+                other => other,
+            })?;
+            s.set_write_timeout(Some(PEER_TIMEOUT))?;
+            s.set_read_timeout(Some(PEER_TIMEOUT))?;
+            let _ = s.set_nodelay(true);
+            Ok(s)
+        })
+        .collect()
 }
 
 /// The hidden temporary file a snapshot to `path` is written to before the rename.
@@ -776,7 +810,7 @@ pub fn receive_migration(
             first_frame_seen: false,
             accepted: accepted.clone(),
         };
-        match receive_from(stream, reply, memory, expected) {
+        match receive_from(listener, stream, reply, memory, expected) {
             Ok(incoming) => return Ok(incoming),
             Err(e) if !accepted.load(std::sync::atomic::Ordering::Acquire) => {
                 log::warn!(
@@ -797,6 +831,7 @@ pub fn receive_migration(
 }
 
 fn receive_from(
+    listener: &TcpListener,
     stream: TcpStream,
     reply: ReplyChannel,
     memory: &GuestMemory,
@@ -806,11 +841,20 @@ fn receive_from(
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(PEER_TIMEOUT))?;
     let started = Instant::now();
-    let result = migration::receive(
+    let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
+        sandbox::spawn(sandbox::Role::Migration, name, body)
+    };
+    let parallel = migration::ParallelReceive {
+        listener,
+        spawn: &spawn,
+        timeout: PEER_TIMEOUT,
+    };
+    let result = migration::receive_parallel(
         memory,
         BufReader::with_capacity(1 << 20, stream),
         reply,
         expected,
+        Some(&parallel),
     )
     .map_err(|e| Error::Migration(e.to_string()))?;
     Ok(Incoming {
