@@ -228,6 +228,11 @@ fn migrate_on_loopback_with(cpus: &str, irqchip: &str, options: &[&str]) {
     let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
     let report = &reply["report"];
     assert!(report["rounds"].as_array().unwrap().len() >= 2, "{report}");
+    if options.contains(&"lz4") || options.contains(&"zstd") {
+        let packed = report["compressed_frame_bytes"].as_u64().unwrap();
+        let raw = report["compressed_page_bytes"].as_u64().unwrap();
+        assert!(packed > 0 && packed < raw, "nothing compressed: {report}");
+    }
     assert!(report["downtime_ms"].as_f64().unwrap() > 0.0);
     eprintln!(
         "migration {cpus} vCPU {irqchip}: total {} ms, downtime {} ms, {} bytes",
@@ -256,6 +261,17 @@ fn live_migration_loopback_1_vcpu_kernel_irqchip() {
 #[test]
 fn live_migration_loopback_2_vcpus_kernel_irqchip() {
     migrate_on_loopback("2", "kernel");
+}
+
+/// Page data compressed with zstd, and with LZ4 striped over two connections.
+#[test]
+fn live_migration_compressed_zstd() {
+    migrate_on_loopback_with("1", "kernel", &["--compress", "zstd", "--connections", "1"]);
+}
+
+#[test]
+fn live_migration_compressed_lz4_over_2_connections() {
+    migrate_on_loopback_with("2", "kernel", &["--compress", "lz4", "--connections", "2"]);
 }
 
 /// Pages striped over four connections (three data connections beside the control one).
@@ -366,18 +382,18 @@ fn failed_migration_leaves_source_running(
         dest_memory,
         fault.map(|f| (f, 0)),
         kill_dest_after,
-        None,
+        &[],
     );
 }
 
-/// [`failed_migration_leaves_source_running`] over `connections` connections, the fault on
-/// connection `nth` (0: control).
+/// [`failed_migration_leaves_source_running`] with more `migrate` options (such as
+/// `--connections`), the fault on connection `nth` (0: control).
 fn failed_migration_over(
     name: &str,
     dest_memory: &str,
     fault: Option<(Fault, usize)>,
     kill_dest_after: Option<Duration>,
-    connections: Option<u32>,
+    options: &[&str],
 ) {
     let dir = scratch(name);
     let port = free_port();
@@ -402,11 +418,8 @@ fn failed_migration_over(
         })
     });
     // A low bandwidth keeps the migration in flight long enough for the faults.
-    let connections = connections.map(|c| c.to_string());
     let mut args = vec!["migrate", &target, "--max-bandwidth", "20000000"];
-    if let Some(c) = &connections {
-        args.extend_from_slice(&["--connections", c]);
-    }
+    args.extend_from_slice(options);
     let run = source.ctl(&args);
     if let Some(k) = killer {
         k.join().unwrap();
@@ -470,7 +483,7 @@ fn data_connection_cut_mid_stream() {
         "256M",
         Some((Fault::CutAfter(2 << 20), 2)),
         None,
-        Some(3),
+        &["--connections", "3"],
     );
 }
 
@@ -481,7 +494,7 @@ fn control_connection_cut_with_data_connections() {
         "256M",
         Some((Fault::CutAfter(1 << 20), 0)),
         None,
-        Some(3),
+        &["--connections", "3"],
     );
 }
 
@@ -493,7 +506,27 @@ fn destination_killed_mid_round_with_data_connections() {
         "256M",
         None,
         Some(Duration::from_millis(400)),
-        Some(3),
+        &["--connections", "3"],
+    );
+}
+
+/// Compressed streams cut on a data connection (zstd) and on the control connection (LZ4)
+/// (early: the dirtying guest's pages compress to almost nothing).
+#[test]
+fn compressed_stream_cut_mid_stream() {
+    failed_migration_over(
+        "cut-zstd",
+        "256M",
+        Some((Fault::CutAfter(16 << 10), 1)),
+        None,
+        &["--connections", "2", "--compress", "zstd"],
+    );
+    failed_migration_over(
+        "cut-lz4",
+        "256M",
+        Some((Fault::CutAfter(16 << 10), 0)),
+        None,
+        &["--connections", "1", "--compress", "lz4"],
     );
 }
 

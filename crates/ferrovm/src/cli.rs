@@ -303,6 +303,10 @@ pub enum CtlRequest {
         /// destination of an earlier build).
         #[arg(long, value_name = "N")]
         connections: Option<u32>,
+        /// Compress page data: auto (default: while the link is slower than compressing),
+        /// none, lz4 or zstd. A destination of an earlier build needs none.
+        #[arg(long, value_name = "auto|none|lz4|zstd")]
+        compress: Option<String>,
     },
     /// Stop the migration in progress; the guest runs on here (or stays paused if it was).
     MigrateCancel,

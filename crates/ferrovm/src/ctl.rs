@@ -41,6 +41,7 @@ fn request_json(request: &CtlRequest) -> anyhow::Result<Value> {
             auto_converge,
             warm,
             connections,
+            compress,
         } => json!({
             "op": "migrate",
             "destination": destination,
@@ -51,6 +52,7 @@ fn request_json(request: &CtlRequest) -> anyhow::Result<Value> {
             "auto_converge": auto_converge,
             "warm": warm,
             "connections": connections,
+            "compress": compress,
         }),
     })
 }

@@ -299,6 +299,7 @@ fn frame_name(f: &Frame) -> &'static str {
         Frame::DataPages { .. } => "DataPages",
         Frame::Connections { .. } => "Connections",
         Frame::Join { .. } => "Join",
+        Frame::CompressedPages(_) => "CompressedPages",
     }
 }
 

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::pages::{apply_pages_shared, PageApplier};
+use crate::pages::{apply_compressed, apply_pages_shared, compressed_frame_len, PageApplier};
 use crate::ram::RamRange;
 use crate::stream::{pages_frame_len, Frame, StreamReader, ZERO_PAGES_FRAME_LEN};
 
@@ -270,6 +270,11 @@ fn run_lane(
                 apply_pages_shared(applier, &mut reader, &h)?;
                 round.pages += u64::from(h.count);
                 round.bytes += pages_frame_len(u64::from(h.count));
+            }
+            Frame::CompressedPages(c) => {
+                apply_compressed(applier, &c, at)?;
+                round.pages += c.crcs.len() as u64;
+                round.bytes += compressed_frame_len(&c);
             }
             Frame::ZeroPages { addr, count } => {
                 lock(applier)?.apply_zero(addr, count)?;

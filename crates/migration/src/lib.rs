@@ -13,6 +13,7 @@
 //!   [`restore_from`] (version 1).
 
 mod bitmap;
+mod compress;
 mod config;
 mod error;
 mod image;
@@ -27,6 +28,7 @@ mod stages;
 mod stream;
 
 pub use bitmap::{words_for, Bitmap};
+pub use compress::{Codec, Compression};
 pub use config::{ConfigCheck, MigrationConfig};
 pub use error::{Error, Result};
 pub use image::{
@@ -46,9 +48,9 @@ pub use receive::{
 pub use resident::{touched_pages, Residency, ResidencyMethod};
 pub use stages::{DestinationStages, SourceStages};
 pub use stream::{
-    encode_frame, page_crc, pages_frame_len, send_reply, wait_ack, EndInfo, Frame, Header, Kind,
-    PagesHeader, RegionImage, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE, FORMAT_VERSION,
-    FRAME_HEADER_LEN, FRAME_TRAILER_LEN, HEADER_LEN, MAGIC, MAX_DATA_CONNECTIONS,
-    MAX_DATA_PAGES_PER_FRAME, MAX_FRAME_PAYLOAD, MAX_IMAGE_REGIONS, MAX_PAGES_PER_FRAME,
-    MAX_STATE_TOTAL, PAGES_FIXED_LEN, SNAPSHOT_VERSION, ZERO_PAGES_FRAME_LEN,
+    encode_frame, page_crc, pages_frame_len, send_reply, wait_ack, CompressedPages, EndInfo, Frame,
+    Header, Kind, PagesHeader, RegionImage, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE,
+    FORMAT_VERSION, FRAME_HEADER_LEN, FRAME_TRAILER_LEN, HEADER_LEN, MAGIC, MAX_COMPRESSED_PAGES,
+    MAX_DATA_CONNECTIONS, MAX_DATA_PAGES_PER_FRAME, MAX_FRAME_PAYLOAD, MAX_IMAGE_REGIONS,
+    MAX_PAGES_PER_FRAME, MAX_STATE_TOTAL, PAGES_FIXED_LEN, SNAPSHOT_VERSION, ZERO_PAGES_FRAME_LEN,
 };

@@ -13,13 +13,15 @@ use std::io::{Read, Write};
 use vm_memory::VolatileSlice;
 
 use crate::bitmap::Bitmap;
+use crate::compress::Compressor;
 use crate::error::{Error, Result};
 use crate::ram::{Layout, PAGE_SIZE, PAGE_USIZE};
 use crate::resident::touched_in;
 use crate::sink::Batch;
 use crate::stream::{
-    page_crc, pages_frame_len, pages_head, Frame, PagesHeader, StreamReader, StreamWriter,
-    MAX_PAGES_PER_FRAME, ZERO_PAGES_FRAME_LEN,
+    encode_compressed, page_crc, pages_frame_len, pages_head, CompressedPages, Frame, PagesHeader,
+    StreamReader, StreamWriter, FRAME_HEADER_LEN, FRAME_TRAILER_LEN, MAX_PAGES_PER_FRAME,
+    PAGES_FIXED_LEN, ZERO_PAGES_FRAME_LEN,
 };
 
 /// Largest run of pages one `ZeroPages` frame carries (4 GiB).
@@ -83,7 +85,7 @@ pub(crate) fn send_pages<W: Write>(
     tick: &mut dyn FnMut(u64, &Sent),
 ) -> Result<Sent> {
     let mut ws = [w];
-    let sent = send_pages_striped(&mut ws, layout, set, live, tick)?;
+    let sent = send_pages_striped(&mut ws, layout, set, live, None, tick)?;
     Ok(sent[0])
 }
 
@@ -93,14 +95,17 @@ const STRIPE_PAGES: u32 = 256;
 
 /// [`send_pages`] over several connections: each `Pages` frame goes to the next connection
 /// in turn (a `ZeroPages` frame to the current one). Returns what went on each.
+/// With `compressor`, page data is compressed whenever it chooses a codec.
 pub(crate) fn send_pages_striped<W: Write>(
     ws: &mut [&mut StreamWriter<W>],
     layout: &Layout,
     set: &Bitmap,
     live: bool,
+    compressor: Option<&mut Compressor>,
     tick: &mut dyn FnMut(u64, &Sent),
 ) -> Result<Vec<Sent>> {
     let mut stripe = Stripe {
+        compressor,
         sent: vec![Sent::default(); ws.len()],
         total: Sent::default(),
         next: 0,
@@ -123,7 +128,8 @@ pub(crate) fn send_pages_striped<W: Write>(
 }
 
 /// Where the frames of a round go, and what went where.
-struct Stripe {
+struct Stripe<'a> {
+    compressor: Option<&'a mut Compressor>,
     sent: Vec<Sent>,
     total: Sent,
     /// The connection the next `Pages` frame goes to.
@@ -144,7 +150,7 @@ fn send_pages_inner<W: Write>(
     layout: &Layout,
     set: &Bitmap,
     live: bool,
-    stripe: &mut Stripe,
+    stripe: &mut Stripe<'_>,
     tick: &mut dyn FnMut(u64, &Sent),
 ) -> Result<()> {
     let mut buf = PageBuf::new();
@@ -207,7 +213,7 @@ fn emit<W: Write>(
     layout: &Layout,
     g: &mut Group,
     live: bool,
-    stripe: &mut Stripe,
+    stripe: &mut Stripe<'_>,
 ) -> Result<()> {
     if g.count == 0 {
         return Ok(());
@@ -227,9 +233,17 @@ fn emit<W: Write>(
             bytes: ZERO_PAGES_FRAME_LEN,
         }
     } else {
-        let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
-        queue_guest_pages(&mut w.batch, layout, g.region, g.first, u64::from(g.count));
-        w.batch.push_bytes(&trailer);
+        let (bytes_before, time_before) = (w.out.bytes, w.out.write_time);
+        let bytes =
+            match compress_group(w, layout, g, addr, live, stripe.compressor.as_deref_mut())? {
+                Some(n) => n,
+                None => {
+                    let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
+                    queue_guest_pages(&mut w.batch, layout, g.region, g.first, u64::from(g.count));
+                    w.batch.push_bytes(&trailer);
+                    pages_frame_len(u64::from(g.count))
+                }
+            };
         if lanes > 1 {
             // Each connection gets its frame at once, so that all of them stay busy.
             w.batch.flush_to(&mut w.out)?;
@@ -237,10 +251,13 @@ fn emit<W: Write>(
         } else {
             w.maybe_flush()?;
         }
+        if let Some(c) = stripe.compressor.as_deref_mut() {
+            c.link(w.out.bytes - bytes_before, w.out.write_time - time_before);
+        }
         Sent {
             pages: u64::from(g.count),
             zero_pages: 0,
-            bytes: pages_frame_len(u64::from(g.count)),
+            bytes,
         }
     };
     for s in [&mut stripe.sent[i], &mut stripe.total] {
@@ -251,6 +268,41 @@ fn emit<W: Write>(
     g.count = 0;
     g.crcs.clear();
     Ok(())
+}
+
+/// Queues the pages of `g` as a `CompressedPages` frame if the compressor chooses a codec and
+/// the data shrinks; returns the frame's length, or `None` to send them as `Pages`.
+fn compress_group<W: Write>(
+    w: &mut StreamWriter<W>,
+    layout: &Layout,
+    g: &Group,
+    addr: u64,
+    live: bool,
+    compressor: Option<&mut Compressor>,
+) -> Result<Option<u64>> {
+    let Some(c) = compressor else {
+        return Ok(None);
+    };
+    let Some(codec) = c.choose() else {
+        return Ok(None);
+    };
+    c.raw.clear();
+    c.raw.resize(g.count as usize * PAGE_USIZE, 0);
+    let ptr = layout.host_page(g.region, g.first);
+    // SAFETY: the group's pages lie inside one region of the validated layout (a live
+    // mapping while the RAM is borrowed); a running vCPU may change them, hence the volatile
+    // read, and the per-page CRC (computed earlier) then marks the page as torn.
+    let pages = unsafe { VolatileSlice::new(ptr, c.raw.len()) };
+    pages.copy_to(&mut c.raw[..]);
+    if !c.compress(codec)? {
+        return Ok(None);
+    }
+    let mut frame = Vec::with_capacity(c.packed.len() + 4 * g.crcs.len() + 32);
+    let n = encode_compressed(addr, live, codec, &g.crcs, &c.packed, &mut frame)?;
+    w.batch.push_bytes(&frame);
+    c.compressed_raw += c.raw.len() as u64;
+    c.compressed_bytes += n;
+    Ok(Some(n))
 }
 
 /// Queues `count` guest pages from page `first` of region `region` on `batch`, by reference
@@ -347,6 +399,68 @@ pub(crate) fn apply_pages_shared<R: Read>(
     let bad = target.read(reader, h)?;
     crate::lanes::lock(applier)?.end_pages(&target, h.count, bad);
     Ok(())
+}
+
+/// Applies a `CompressedPages` frame (read at byte `at`): decompresses it straight into
+/// guest memory, without holding the lock, and checks each page's CRC.
+pub(crate) fn apply_compressed(
+    applier: &std::sync::Mutex<PageApplier>,
+    c: &CompressedPages,
+    at: u64,
+) -> Result<()> {
+    let count = c.crcs.len() as u32;
+    let h = PagesHeader {
+        addr: c.addr,
+        count,
+        live: c.live,
+    };
+    let mut target = crate::lanes::lock(applier)?.begin_pages(&h)?;
+    let len = count as usize * PAGE_USIZE;
+    if target.populate {
+        let t = std::time::Instant::now();
+        populate_for_write(target.ptr, len);
+        target.populate_time = t.elapsed();
+    }
+    // SAFETY: as in `PagesTarget::read`: the pages lie inside one live, writable region, no
+    // vCPU runs, and no other connection writes them in this round.
+    let dst = unsafe { std::slice::from_raw_parts_mut(target.ptr, len) };
+    c.codec
+        .decompress(&c.data, dst)
+        .map_err(|reason| Error::Malformed {
+            kind: "CompressedPages",
+            offset: at,
+            reason: format!(
+                "its {:?} data does not decompress to {count} pages: {reason}",
+                c.codec
+            ),
+        })?;
+    let mut bad = Vec::new();
+    for (i, (page, &stored)) in dst.chunks_exact(PAGE_USIZE).zip(&c.crcs).enumerate() {
+        let computed = page_crc(page);
+        if computed == stored {
+            continue;
+        }
+        if !c.live {
+            return Err(Error::Checksum {
+                what: format!(
+                    "guest page {:#x} of the CompressedPages frame",
+                    c.addr + i as u64 * PAGE_SIZE
+                ),
+                offset: at,
+                stored,
+                computed,
+            });
+        }
+        bad.push(i as u32);
+    }
+    crate::lanes::lock(applier)?.end_pages(&target, count, bad);
+    Ok(())
+}
+
+/// Wire length of a `CompressedPages` frame.
+pub(crate) fn compressed_frame_len(c: &CompressedPages) -> u64 {
+    (FRAME_HEADER_LEN + PAGES_FIXED_LEN + FRAME_TRAILER_LEN + 4 * c.crcs.len() + c.data.len())
+        as u64
 }
 
 /// The receiving side: applies page frames to guest memory and keeps track of pages that

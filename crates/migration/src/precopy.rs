@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use serde::{Serialize, Serializer};
 
 use crate::bitmap::Bitmap;
+use crate::compress::{Compression, Compressor};
 use crate::config::MigrationConfig;
 use crate::error::{Error, Result};
 use crate::pages::{send_pages, send_pages_striped, Sent};
@@ -90,6 +91,8 @@ pub struct MigrationParams {
     /// Fallback when the guest dirties memory faster than the link: throttle the vCPUs
     /// (20, 40, 60, 80, 99 %) instead of stopping with a long downtime.
     pub auto_converge: bool,
+    /// Compression of page data (default: automatic, on while the link is the bottleneck).
+    pub compression: Compression,
 }
 
 impl Default for MigrationParams {
@@ -100,6 +103,7 @@ impl Default for MigrationParams {
             max_rounds: 30,
             max_time: None,
             auto_converge: false,
+            compression: Compression::Auto,
         }
     }
 }
@@ -192,6 +196,11 @@ pub struct MigrationReport {
     pub max_throttle_percent: u8,
     /// Where the source's time went.
     pub stages: SourceStages,
+    /// Compression asked for, and what it did: page bytes that went out compressed and the
+    /// bytes of their frames.
+    pub compression: Compression,
+    pub compressed_page_bytes: u64,
+    pub compressed_frame_bytes: u64,
 }
 
 /// Where the migration is.
@@ -274,6 +283,7 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     throttle: u8,
     max_throttle: u8,
     stages: SourceStages,
+    compressor: Compressor,
 }
 
 /// Migrates a running VM: streams its memory in pre-copy rounds to `out`, pauses it, sends
@@ -389,6 +399,7 @@ where
         throttle: 0,
         max_throttle: 0,
         stages: SourceStages::default(),
+        compressor: Compressor::new(params.compression),
     };
     match eng.run(config, dirty, vm) {
         Ok(report) => {
@@ -543,14 +554,20 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let mut ws: Vec<&mut StreamWriter<W>> = std::iter::once(&mut self.w)
             .chain(self.lanes.iter_mut())
             .collect();
-        let per_lane =
-            send_pages_striped(&mut ws, &self.layout, set, live, &mut |done, s: &Sent| {
+        let per_lane = send_pages_striped(
+            &mut ws,
+            &self.layout,
+            set,
+            live,
+            Some(&mut self.compressor),
+            &mut |done, s: &Sent| {
                 meter.emit(
                     base + s.bytes,
                     found.saturating_sub(done) * PAGE_SIZE,
                     false,
                 )
-            })?;
+            },
+        )?;
         let duration_us = t.elapsed().as_micros() as u64;
         let mut sent = Sent::default();
         for (i, s) in per_lane.iter().enumerate() {
@@ -750,8 +767,12 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
                         .iter()
                         .map(|l| l.out.write_time)
                         .sum::<Duration>(),
+                compress: self.compressor.time,
                 ..self.stages.clone()
             },
+            compression: self.params.compression,
+            compressed_page_bytes: self.compressor.compressed_raw,
+            compressed_frame_bytes: self.compressor.compressed_bytes,
         })
     }
 

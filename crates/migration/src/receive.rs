@@ -10,7 +10,7 @@ use serde::{Serialize, Serializer};
 use crate::config::{ConfigCheck, MigrationConfig};
 use crate::error::{Error, Result};
 use crate::lanes::{lock, Lanes, ParallelReceive};
-use crate::pages::{apply_pages_shared, PageApplier};
+use crate::pages::{apply_compressed, apply_pages_shared, compressed_frame_len, PageApplier};
 use crate::ram::{GuestRam, Layout};
 use crate::stages::DestinationStages;
 use crate::stream::{
@@ -247,6 +247,14 @@ where
                 apply_pages_shared(&applier, &mut reader, &h)?;
                 pages += u64::from(h.count);
                 bytes += pages_frame_len(u64::from(h.count));
+            }
+            Frame::CompressedPages(c) => {
+                if seen_final {
+                    return Err(protocol("pages after the final round".into()));
+                }
+                apply_compressed(&applier, &c, at)?;
+                pages += c.crcs.len() as u64;
+                bytes += compressed_frame_len(&c);
             }
             Frame::ZeroPages { addr, count } => {
                 if seen_final {

@@ -16,6 +16,9 @@ pub struct SourceStages {
     /// Reading each page to send: zero check and CRC-32.
     #[serde(rename = "inspect_ms", serialize_with = "ms")]
     pub inspect: Duration,
+    /// Compressing page data (part of `inspect_ms`'s thread, not of it).
+    #[serde(rename = "compress_ms", serialize_with = "ms")]
+    pub compress: Duration,
     /// In `writev`: the kernel copying into the socket, or waiting for the peer to read.
     #[serde(rename = "write_ms", serialize_with = "ms")]
     pub write: Duration,

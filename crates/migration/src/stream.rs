@@ -19,6 +19,7 @@ use std::io::{self, Read, Write};
 
 use serde::Serialize;
 
+use crate::compress::Codec;
 use crate::config::MigrationConfig;
 use crate::error::{Error, Result};
 use crate::ram::{locate_in, RamRange, PAGE_SIZE, PAGE_USIZE};
@@ -94,6 +95,8 @@ pub enum Kind {
     Connections = 14,
     /// First frame of a data connection: the migration's token and the connection's index.
     Join = 15,
+    /// A run of pages with data, compressed (LZ4 or zstd), with each page's CRC-32.
+    CompressedPages = 16,
 }
 
 impl Kind {
@@ -114,6 +117,7 @@ impl Kind {
             13 => Kind::Handover,
             14 => Kind::Connections,
             15 => Kind::Join,
+            16 => Kind::CompressedPages,
             _ => return None,
         })
     }
@@ -135,13 +139,16 @@ impl Kind {
             Kind::Handover => "Handover",
             Kind::Connections => "Connections",
             Kind::Join => "Join",
+            Kind::CompressedPages => "CompressedPages",
         }
     }
 
     fn max_len(self) -> u32 {
         match self {
             Kind::Config => MAX_CONFIG_LEN,
-            Kind::Pages | Kind::State | Kind::DataPages => MAX_FRAME_PAYLOAD,
+            Kind::Pages | Kind::State | Kind::DataPages | Kind::CompressedPages => {
+                MAX_FRAME_PAYLOAD
+            }
             Kind::Images => IMAGES_FIXED_LEN + IMAGE_ENTRY_LEN * MAX_IMAGE_REGIONS,
             Kind::ZeroPages | Kind::Connections | Kind::Join => PAGES_FIXED_LEN as u32,
             Kind::RoundEnd => ROUND_END_LEN,
@@ -292,6 +299,61 @@ pub enum Frame {
         token: u64,
         index: u32,
     },
+    /// `crcs.len()` consecutive pages from `addr`, compressed with `codec` into `data`.
+    CompressedPages(CompressedPages),
+}
+
+/// A decoded `CompressedPages` frame (see [`Frame::CompressedPages`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompressedPages {
+    pub addr: u64,
+    /// Sent while the guest ran (see [`FLAG_LIVE`]).
+    pub live: bool,
+    pub codec: Codec,
+    pub crcs: Vec<u32>,
+    pub data: Vec<u8>,
+}
+
+/// Most pages one `CompressedPages` frame may hold (8 MiB once decompressed).
+pub const MAX_COMPRESSED_PAGES: u32 = 2048;
+
+/// Appends a `CompressedPages` frame to `out`; returns its wire length.
+pub(crate) fn encode_compressed(
+    addr: u64,
+    live: bool,
+    codec: Codec,
+    crcs: &[u32],
+    data: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<u64> {
+    let len = PAGES_FIXED_LEN + 4 * crcs.len() + data.len();
+    if crcs.is_empty()
+        || crcs.len() > MAX_COMPRESSED_PAGES as usize
+        || len > MAX_FRAME_PAYLOAD as usize
+    {
+        return Err(Error::Param(format!(
+            "a CompressedPages frame of {} pages and {} bytes does not fit a frame",
+            crcs.len(),
+            data.len()
+        )));
+    }
+    let h = frame_header(
+        Kind::CompressedPages,
+        if live { FLAG_LIVE } else { 0 },
+        len as u32,
+    );
+    let start = out.len();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&addr.to_le_bytes());
+    out.extend_from_slice(&(crcs.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[codec as u8, 0, 0, 0]);
+    for c in crcs {
+        out.extend_from_slice(&c.to_le_bytes());
+    }
+    out.extend_from_slice(data);
+    let c = crc(&[&out[start..]]);
+    out.extend_from_slice(&c.to_le_bytes());
+    Ok((out.len() - start) as u64)
 }
 
 fn crc(parts: &[&[u8]]) -> u32 {
@@ -440,6 +502,9 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>> {
             encode_simple(Kind::Images, &p, &mut out);
         }
         Frame::DataPages { addr, crcs } => encode_data_pages(*addr, crcs, &mut out)?,
+        Frame::CompressedPages(c) => {
+            encode_compressed(c.addr, c.live, c.codec, &c.crcs, &c.data, &mut out)?;
+        }
         Frame::Connections { count, token } => {
             let mut p = [0u8; PAGES_FIXED_LEN];
             p[..4].copy_from_slice(&count.to_le_bytes());
@@ -866,7 +931,11 @@ impl<R: Read> StreamReader<R> {
             reason,
         };
         let flags = h[1];
-        let allowed_flags = if kind == Kind::Pages { FLAG_LIVE } else { 0 };
+        let allowed_flags = if matches!(kind, Kind::Pages | Kind::CompressedPages) {
+            FLAG_LIVE
+        } else {
+            0
+        };
         if flags & !allowed_flags != 0 {
             return Err(malformed(format!("unknown flags {flags:#04x}")));
         }
@@ -1053,6 +1122,36 @@ impl<R: Read> StreamReader<R> {
                     token: u64_at(0),
                     index: u32_at(8),
                 }
+            }
+            Kind::CompressedPages => {
+                if payload.len() < PAGES_FIXED_LEN {
+                    return Err(malformed(format!("length {len} is too short")));
+                }
+                let addr = u64_at(0);
+                let count = u32_at(8);
+                let codec = Codec::from_u8(payload[12])
+                    .ok_or_else(|| malformed(format!("unknown codec {}", payload[12])))?;
+                if payload[13..16] != [0, 0, 0] {
+                    return Err(malformed("reserved bytes are not zero".into()));
+                }
+                let table_end = PAGES_FIXED_LEN + 4 * count as usize;
+                if count == 0 || count > MAX_COMPRESSED_PAGES || table_end > payload.len() {
+                    return Err(malformed(format!(
+                        "{count} pages (1 to {MAX_COMPRESSED_PAGES}, with their CRCs inside \
+                         the frame's {len} bytes)"
+                    )));
+                }
+                self.check_range(start, addr, count)?;
+                Frame::CompressedPages(CompressedPages {
+                    addr,
+                    live: flags & FLAG_LIVE != 0,
+                    codec,
+                    crcs: payload[PAGES_FIXED_LEN..table_end]
+                        .chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                    data: payload[table_end..].to_vec(),
+                })
             }
             Kind::Pages => return Err(malformed("unexpected Pages frame".into())),
         })

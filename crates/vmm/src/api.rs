@@ -54,6 +54,10 @@ pub struct MigrateRequest {
     /// 4). A destination of a build without data connections needs 1.
     #[serde(default)]
     pub connections: Option<u32>,
+    /// Compression of page data: "auto" (default: on while the link is slower than
+    /// compressing), "none", "lz4" or "zstd".
+    #[serde(default)]
+    pub compress: Option<String>,
 }
 
 /// One control request, as [`parse_request`] reads it.

@@ -225,6 +225,9 @@ pub fn report_json(r: &MigrationReport) -> Value {
         "stop_reason": format!("{:?}", r.stop_reason),
         "max_throttle_percent": r.max_throttle_percent,
         "stages": r.stages,
+        "compression": r.compression,
+        "compressed_page_bytes": r.compressed_page_bytes,
+        "compressed_frame_bytes": r.compressed_frame_bytes,
     })
 }
 
@@ -357,7 +360,7 @@ impl Core {
         let ack_in = stream
             .try_clone()
             .map_err(|e| vm_error("the migration connection", e))?;
-        let params = params_of(request);
+        let params = params_of(request)?;
         let warm = request.warm || paused;
         let mut live_dirty;
         let mut warm_dirty;
@@ -459,14 +462,19 @@ fn temp_path_beside(path: &Path) -> Result<PathBuf> {
     Ok(path.with_file_name(tmp_name))
 }
 
-fn params_of(request: &MigrateRequest) -> MigrationParams {
-    MigrationParams {
+fn params_of(request: &MigrateRequest) -> migration::Result<MigrationParams> {
+    let compression = match &request.compress {
+        Some(c) => c.parse()?,
+        None => migration::Compression::Auto,
+    };
+    Ok(MigrationParams {
         max_bandwidth: request.max_bandwidth,
         downtime_target: Duration::from_millis(request.downtime_ms.unwrap_or(50)),
         max_rounds: request.max_rounds.unwrap_or(30),
         max_time: request.max_time_s.map(Duration::from_secs),
         auto_converge: request.auto_converge,
-    }
+        compression,
+    })
 }
 
 /// Dirty pages from the kernel's dirty log, one bitmap per memory slot.
