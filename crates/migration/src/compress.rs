@@ -114,6 +114,10 @@ impl Measured {
 pub(crate) struct Compressor {
     mode: Compression,
     measured: [Measured; 2],
+    /// Frames since each codec was last tried (the data changes along guest memory).
+    since_tried: [u32; 2],
+    /// What the last `choose` said.
+    last_choice: Option<Codec>,
     /// Bytes written and time spent writing them (the link as the sender sees it).
     link_bytes: u64,
     link_time: Duration,
@@ -127,12 +131,18 @@ pub(crate) struct Compressor {
 
 /// Raw bytes sent uncompressed before the automatic choice trusts its link measurement.
 const AUTO_PROBE_BYTES: u64 = 8 << 20;
+/// Frames after which a codec not in use is tried again.
+const RETRY_FRAMES: u32 = 64;
+/// Raw bytes a codec's measurement holds before older samples count half.
+const DECAY_BYTES: u64 = 64 << 20;
 
 impl Compressor {
     pub fn new(mode: Compression) -> Self {
         Compressor {
             mode,
             measured: [Measured::default(); 2],
+            since_tried: [0; 2],
+            last_choice: None,
             link_bytes: 0,
             link_time: Duration::ZERO,
             raw: Vec::new(),
@@ -150,23 +160,33 @@ impl Compressor {
     }
 
     /// The codec for the next frame, if any.
-    pub fn choose(&self) -> Option<Codec> {
-        match self.mode {
+    pub fn choose(&mut self) -> Option<Codec> {
+        self.last_choice = match self.mode {
             Compression::None => None,
             Compression::Lz4 => Some(Codec::Lz4),
             Compression::Zstd => Some(Codec::Zstd),
             Compression::Auto => self.choose_auto(),
-        }
+        };
+        self.last_choice
     }
 
-    fn choose_auto(&self) -> Option<Codec> {
+    /// While compressing, zero pages go inside the compressed runs (where they cost almost
+    /// nothing) rather than cutting them into many small frames.
+    pub fn merges_zero_pages(&self) -> bool {
+        self.last_choice.is_some() || matches!(self.mode, Compression::Lz4 | Compression::Zstd)
+    }
+
+    fn choose_auto(&mut self) -> Option<Codec> {
         if self.link_bytes < AUTO_PROBE_BYTES || self.link_time.is_zero() {
             return None;
         }
         let link = self.link_bytes as f64 / self.link_time.as_secs_f64();
-        // Each codec is tried once on real data before it is judged.
+        // Each codec is tried on real data before it is judged, and again every
+        // RETRY_FRAMES frames, since what memory holds changes along the guest's RAM.
         for codec in [Codec::Lz4, Codec::Zstd] {
-            if self.measured[codec as usize - 1].raw == 0 {
+            let i = codec as usize - 1;
+            self.since_tried[i] += 1;
+            if self.measured[i].raw == 0 || self.since_tried[i] > RETRY_FRAMES {
                 return Some(codec);
             }
         }
@@ -186,7 +206,16 @@ impl Compressor {
         codec.compress(&self.raw, &mut self.packed)?;
         let spent = t.elapsed();
         self.time += spent;
+        self.since_tried[codec as usize - 1] = 0;
         let m = &mut self.measured[codec as usize - 1];
+        if m.raw > DECAY_BYTES {
+            // Recent data counts most.
+            *m = Measured {
+                raw: m.raw / 2,
+                packed: m.packed / 2,
+                time: m.time / 2,
+            };
+        }
         m.raw += self.raw.len() as u64;
         m.packed += self.packed.len() as u64;
         m.time += spent;

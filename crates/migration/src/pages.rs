@@ -92,6 +92,8 @@ pub(crate) fn send_pages<W: Write>(
 /// Pages per frame when pages are striped over several connections: small enough that
 /// every connection gets data often, large enough to keep the framing overhead at 0.4 %.
 const STRIPE_PAGES: u32 = 256;
+/// Bytes queued on one connection before it is written and the next connection's turn comes.
+const STRIPE_BYTES: usize = 1 << 20;
 
 /// [`send_pages`] over several connections: each `Pages` frame goes to the next connection
 /// in turn (a `ZeroPages` frame to the current one). Returns what went on each.
@@ -163,14 +165,23 @@ fn send_pages_inner<W: Write>(
         crcs: Vec::with_capacity(MAX_PAGES_PER_FRAME as usize),
     };
     let mut inspect_time = std::time::Duration::ZERO;
+    let zero_page_crc = page_crc(&[0u8; PAGE_USIZE]);
     for (ri, r) in layout.regions.iter().enumerate() {
         let npages = r.size / PAGE_SIZE;
         for (start, count) in set.runs(ri, u64::MAX) {
             let end = (start + count).min(npages);
             for p in start..end {
                 let t = std::time::Instant::now();
-                let crc = inspect(layout.host_page(ri, p), &mut buf);
+                let mut crc = inspect(layout.host_page(ri, p), &mut buf);
                 inspect_time += t.elapsed();
+                if crc.is_none()
+                    && stripe
+                        .compressor
+                        .as_ref()
+                        .is_some_and(|c| c.merges_zero_pages())
+                {
+                    crc = Some(zero_page_crc);
+                }
                 let zero = crc.is_none();
                 let full = if g.zero {
                     g.count >= MAX_ZERO_RUN
@@ -245,9 +256,12 @@ fn emit<W: Write>(
                 }
             };
         if lanes > 1 {
-            // Each connection gets its frame at once, so that all of them stay busy.
-            w.batch.flush_to(&mut w.out)?;
-            stripe.next = (i + 1) % lanes;
+            // Each connection gets its share at once (1 MiB at a time), so that all of them
+            // stay busy; small frames (pages between zero pages) are gathered first.
+            if w.batch.len() >= STRIPE_BYTES || w.batch.is_full() {
+                w.batch.flush_to(&mut w.out)?;
+                stripe.next = (i + 1) % lanes;
+            }
         } else {
             w.maybe_flush()?;
         }
