@@ -186,7 +186,10 @@ impl Compressor {
         for codec in [Codec::Lz4, Codec::Zstd] {
             let i = codec as usize - 1;
             self.since_tried[i] += 1;
-            if self.measured[i].raw == 0 || self.since_tried[i] > RETRY_FRAMES {
+            let m = &self.measured[i];
+            // A codec slower than the link can never pay off: not worth trying again.
+            let could_pay = m.raw as f64 > link * m.time.as_secs_f64();
+            if m.raw == 0 || (self.since_tried[i] > RETRY_FRAMES && could_pay) {
                 return Some(codec);
             }
         }
