@@ -1118,8 +1118,8 @@ fn a_paused_guest_is_snapshotted_and_migrated_and_stays_paused() {
     );
     let mut source = source;
     source.ctl(&["migrate", &listen]).expect_status(0);
-    let (status, _) = source.wait(Duration::from_secs(30));
-    assert_eq!(status, Some(0));
+    let (status, err) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0), "{err}");
     assert_eq!(json_of(&dest.ctl(&["--json", "status"]))["state"], "paused");
     std::thread::sleep(Duration::from_millis(500));
     assert!(
