@@ -300,7 +300,10 @@ def stop(p):
             p.wait()
 
 
-def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s):
+def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s, multifd=0,
+                 compression=None):
+    """multifd=N: QEMU's multifd with N channels (set on both sides before the stream, the
+    destination through -incoming defer); compression: its multifd-compression (zstd)."""
     work = tempfile.mkdtemp(prefix="fvbench-qmig")
     src_ns, dst_ns, addr = [], [], "127.0.0.1"
     if link == "1gbit":
@@ -308,9 +311,10 @@ def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s):
                                 NS_ADDR)
     port = 8600 + random.randrange(1000)
     base = QEMU_BASE + ["-M", "microvm", "-m", f"{gib}G"]
+    incoming = "defer" if multifd else f"tcp:{addr}:{port}"
     dst = subprocess.Popen(dst_ns + base + ["-serial", f"file:{work}/dst.ser",
                                             "-qmp", f"unix:{work}/dst.qmp,server=on,wait=off",
-                                            "-incoming", f"tcp:{addr}:{port}"],
+                                            "-incoming", incoming],
                            stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
     src = subprocess.Popen(src_ns + base + ["-serial", f"file:{work}/src.ser",
                                             "-qmp", f"unix:{work}/src.qmp,server=on,wait=off",
@@ -324,6 +328,13 @@ def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s):
         # As fast as the link (QEMU 7.2 caps at 128 MiB/s by default; ferrovm has no cap),
         # and ferrovm's default downtime target.
         s.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 50})
+        if multifd:
+            extra = {"multifd-compression": compression} if compression else {}
+            for q in (d, s):
+                q.cmd("migrate-set-capabilities",
+                      capabilities=[{"capability": "multifd", "state": True}])
+                q.cmd("migrate-set-parameters", **{"multifd-channels": multifd}, **extra)
+            d.cmd("migrate-incoming", uri=f"tcp:{addr}:{port}")
         if auto_converge:
             s.cmd("migrate-set-capabilities",
                   capabilities=[{"capability": "auto-converge", "state": True}])

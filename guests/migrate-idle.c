@@ -32,6 +32,11 @@
  * turns the check off) and as many tick periods of TSC time fails the test:
  *   FAIL: cpu <c>: no LAPIC timer tick for <n> ticks of cpu 0
  *
+ * "mix=1": a realistic memory image for compression instead: even pages are
+ * all zero; in odd pages the first 256 words are pseudo-random (splitmix64 of
+ * the page index and word) and the other 256 are 0x2020202020202020 (text
+ * padding), so the data pages compress about 2:1.
+ *
  * "ticks=T": after tick T, verify every page once more, print a summary and
  * PASS (exit code 0).  Without it the guest never ends.
  *
@@ -69,8 +74,24 @@ struct percpu {
 } __attribute__((aligned(64)));
 static struct percpu cpu[KIT_MAX_CPUS];
 
+static bool mixed;	/* mix=1 */
+
+static inline u64 splitmix64(u64 x)
+{
+	x += 0x9e3779b97f4a7c15UL;
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9UL;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebUL;
+	return x ^ (x >> 31);
+}
+
 static inline u64 pattern(u64 page, u64 word)
 {
+	if (mixed) {
+		if (page % 2 == 0)
+			return 0;
+		return word < WORDS_PER_PAGE / 2 ? splitmix64(page << 9 | word)
+						 : 0x2020202020202020UL;
+	}
 	return ((0x49444c45UL << 32) | page) + word * 0x9e3779b97f4a7c15UL;
 }
 
@@ -212,6 +233,7 @@ static void ap_main(unsigned idx)
 void guest_main(void)
 {
 	u64 mib = cmdline_uint("mib", 64);
+	mixed = cmdline_uint("mix", 0) != 0;
 	u64 base = cmdline_uint("base", 16 * MIB);
 	u64 max_ticks = cmdline_uint("ticks", 0);
 	u64 tick_ms = cmdline_uint("tick_ms", 1000);

@@ -208,7 +208,11 @@ fn snapshot_and_restore_continue_where_the_guest_was() {
 }
 
 fn migrate_on_loopback(cpus: &str, irqchip: &str) {
-    let dir = scratch(&format!("loop-{cpus}-{irqchip}"));
+    migrate_on_loopback_with(cpus, irqchip, &[]);
+}
+
+fn migrate_on_loopback_with(cpus: &str, irqchip: &str, options: &[&str]) {
+    let dir = scratch(&format!("loop-{cpus}-{irqchip}-{}", options.join("")));
     let port = free_port();
     let listen = format!("tcp:127.0.0.1:{port}");
     let shape = ["--memory", "256M", "--cpus", cpus, "--irqchip", irqchip];
@@ -217,11 +221,18 @@ fn migrate_on_loopback(cpus: &str, irqchip: &str) {
     let dest = Vm::start(&dest_args, &dir, "dest", true);
     let mut source = start_dirty_source(&dir, &shape, 32);
     let before = last_pass(&source.output());
-    let run = source.ctl(&["--json", "migrate", &listen]);
+    let mut args = vec!["--json", "migrate", &listen];
+    args.extend_from_slice(options);
+    let run = source.ctl(&args);
     run.expect_status(0);
     let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
     let report = &reply["report"];
     assert!(report["rounds"].as_array().unwrap().len() >= 2, "{report}");
+    if options.contains(&"lz4") || options.contains(&"zstd") {
+        let packed = report["compressed_frame_bytes"].as_u64().unwrap();
+        let raw = report["compressed_page_bytes"].as_u64().unwrap();
+        assert!(packed > 0 && packed < raw, "nothing compressed: {report}");
+    }
     assert!(report["downtime_ms"].as_f64().unwrap() > 0.0);
     eprintln!(
         "migration {cpus} vCPU {irqchip}: total {} ms, downtime {} ms, {} bytes",
@@ -252,6 +263,23 @@ fn live_migration_loopback_2_vcpus_kernel_irqchip() {
     migrate_on_loopback("2", "kernel");
 }
 
+/// Page data compressed with zstd, and with LZ4 striped over two connections.
+#[test]
+fn live_migration_compressed_zstd() {
+    migrate_on_loopback_with("1", "kernel", &["--compress", "zstd", "--connections", "1"]);
+}
+
+#[test]
+fn live_migration_compressed_lz4_over_2_connections() {
+    migrate_on_loopback_with("2", "kernel", &["--compress", "lz4", "--connections", "2"]);
+}
+
+/// Pages striped over four connections (three data connections beside the control one).
+#[test]
+fn live_migration_over_4_connections() {
+    migrate_on_loopback_with("2", "kernel", &["--connections", "4"]);
+}
+
 #[test]
 fn live_migration_loopback_1_vcpu_split_irqchip() {
     migrate_on_loopback("1", "split");
@@ -270,11 +298,41 @@ enum Fault {
     FlipByteAt(u64),
 }
 
-fn relay(fault: Fault, to: u16) -> u16 {
+/// Pipes one connection to the destination both ways, untouched.
+fn forward(src: TcpStream, to: u16) {
+    let dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
+    for (mut a, mut b) in [
+        (src.try_clone().unwrap(), dst.try_clone().unwrap()),
+        (dst, src),
+    ] {
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut a, &mut b);
+            let _ = b.shutdown(Shutdown::Write);
+        });
+    }
+}
+
+/// A relay whose connection number `nth` (0: the control connection, 1...: a migration's
+/// data connections, in the order they connect) misbehaves; the others pass untouched.
+fn relay_nth(fault: Fault, nth: usize, to: u16) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     std::thread::spawn(move || {
-        let (mut src, _) = listener.accept().unwrap();
+        let mut src = None;
+        for (i, conn) in listener.incoming().enumerate() {
+            let conn = conn.unwrap();
+            if i == nth {
+                src = Some(conn);
+                break;
+            }
+            forward(conn, to);
+        }
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                forward(conn.unwrap(), to);
+            }
+        });
+        let mut src = src.unwrap();
         let mut dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
         let (mut src_r, mut dst_w) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
         // Replies flow back untouched.
@@ -319,6 +377,24 @@ fn failed_migration_leaves_source_running(
     fault: Option<Fault>,
     kill_dest_after: Option<Duration>,
 ) {
+    failed_migration_over(
+        name,
+        dest_memory,
+        fault.map(|f| (f, 0)),
+        kill_dest_after,
+        &[],
+    );
+}
+
+/// [`failed_migration_leaves_source_running`] with more `migrate` options (such as
+/// `--connections`), the fault on connection `nth` (0: control).
+fn failed_migration_over(
+    name: &str,
+    dest_memory: &str,
+    fault: Option<(Fault, usize)>,
+    kill_dest_after: Option<Duration>,
+    options: &[&str],
+) {
     let dir = scratch(name);
     let port = free_port();
     let listen = format!("tcp:127.0.0.1:{port}");
@@ -330,7 +406,7 @@ fn failed_migration_leaves_source_running(
     );
     let mut source = start_dirty_source(&dir, &["--memory", "256M"], 32);
     let target = match fault {
-        Some(f) => format!("tcp:127.0.0.1:{}", relay(f, port)),
+        Some((f, nth)) => format!("tcp:127.0.0.1:{}", relay_nth(f, nth, port)),
         None => listen.clone(),
     };
     let killer = kill_dest_after.map(|after| {
@@ -342,7 +418,9 @@ fn failed_migration_leaves_source_running(
         })
     });
     // A low bandwidth keeps the migration in flight long enough for the faults.
-    let run = source.ctl(&["migrate", &target, "--max-bandwidth", "20000000"]);
+    let mut args = vec!["migrate", &target, "--max-bandwidth", "20000000"];
+    args.extend_from_slice(options);
+    let run = source.ctl(&args);
     if let Some(k) = killer {
         k.join().unwrap();
     }
@@ -352,12 +430,18 @@ fn failed_migration_leaves_source_running(
         "the migration must fail:\n{}",
         run.stdout
     );
-    assert!(
-        run.stderr.contains("keeps running"),
-        "the error says the guest runs on: {}",
-        run.stderr
-    );
-    assert!(source.running(), "the source VMM must still run");
+    if !source.running() {
+        let (status, err) = source.wait(Duration::from_secs(5));
+        panic!("the source VMM exited ({status:?}): {err}");
+    }
+    if !run.stderr.contains("keeps running") {
+        let _ = source.child.kill();
+        let (_, err) = source.wait(Duration::from_secs(5));
+        panic!(
+            "the error says the guest runs on: {}; source: {err}",
+            run.stderr
+        );
+    }
     let status = source.ctl(&["--json", "status"]);
     assert!(
         status.stdout.contains("\"state\":\"running\""),
@@ -387,6 +471,63 @@ fn destination_killed_mid_round() {
         "256M",
         None,
         Some(Duration::from_millis(400)),
+    );
+}
+
+/// Data connections: a cut data connection, and a cut control connection while data
+/// connections carry pages, both fail the one migration and leave the source running.
+#[test]
+fn data_connection_cut_mid_stream() {
+    failed_migration_over(
+        "cut-data",
+        "256M",
+        Some((Fault::CutAfter(2 << 20), 2)),
+        None,
+        &["--connections", "3"],
+    );
+}
+
+#[test]
+fn control_connection_cut_with_data_connections() {
+    failed_migration_over(
+        "cut-control",
+        "256M",
+        Some((Fault::CutAfter(1 << 20), 0)),
+        None,
+        &["--connections", "3"],
+    );
+}
+
+/// The destination killed while three connections carry round 0.
+#[test]
+fn destination_killed_mid_round_with_data_connections() {
+    failed_migration_over(
+        "killed-data",
+        "256M",
+        None,
+        Some(Duration::from_millis(400)),
+        &["--connections", "3"],
+    );
+}
+
+/// Compressed streams cut on a data connection (zstd) and on the control connection (LZ4),
+/// early: the dirtying guest's pages compress to almost nothing (a data connection may carry
+/// little more than its header, `Join` and `RoundEnd` frames).
+#[test]
+fn compressed_stream_cut_mid_stream() {
+    failed_migration_over(
+        "cut-zstd",
+        "256M",
+        Some((Fault::CutAfter(100), 1)),
+        None,
+        &["--connections", "2", "--compress", "zstd"],
+    );
+    failed_migration_over(
+        "cut-lz4",
+        "256M",
+        Some((Fault::CutAfter(4 << 10), 0)),
+        None,
+        &["--connections", "1", "--compress", "lz4"],
     );
 }
 
@@ -977,8 +1118,8 @@ fn a_paused_guest_is_snapshotted_and_migrated_and_stays_paused() {
     );
     let mut source = source;
     source.ctl(&["migrate", &listen]).expect_status(0);
-    let (status, _) = source.wait(Duration::from_secs(30));
-    assert_eq!(status, Some(0));
+    let (status, err) = source.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0), "{err}");
     assert_eq!(json_of(&dest.ctl(&["--json", "status"]))["state"], "paused");
     std::thread::sleep(Duration::from_millis(500));
     assert!(
@@ -1212,6 +1353,12 @@ fn ack_swallowing_relay(to: u16) -> u16 {
     std::thread::spawn(move || {
         let (mut src, _) = listener.accept().unwrap();
         let mut dst = TcpStream::connect(("127.0.0.1", to)).unwrap();
+        // Data connections pass untouched.
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                forward(conn.unwrap(), to);
+            }
+        });
         let (mut src_r, mut dst_w) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
         std::thread::spawn(move || {
             let _ = std::io::copy(&mut src_r, &mut dst_w);

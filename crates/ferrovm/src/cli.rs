@@ -313,6 +313,14 @@ pub enum CtlRequest {
         /// Pause the guest first and copy everything (for accelerators without dirty tracking).
         #[arg(long)]
         warm: bool,
+        /// TCP connections to stripe the pages over (default: host CPUs, at most 4; 1 for a
+        /// destination of an earlier build).
+        #[arg(long, value_name = "N")]
+        connections: Option<u32>,
+        /// Compress page data: auto (default: while the link is slower than compressing),
+        /// none, lz4 or zstd. A destination of an earlier build needs none.
+        #[arg(long, value_name = "auto|none|lz4|zstd")]
+        compress: Option<String>,
     },
     /// Stop the migration in progress; the guest runs on here (or stays paused if it was).
     MigrateCancel,

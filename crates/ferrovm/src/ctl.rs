@@ -49,6 +49,8 @@ fn http_request(
             max_time_s,
             auto_converge,
             warm,
+            connections,
+            compress,
         } => (
             "PUT",
             "/api/v1/vm.send-migration",
@@ -60,6 +62,8 @@ fn http_request(
                 "max_time_s": max_time_s,
                 "auto_converge": auto_converge,
                 "warm": warm,
+                "connections": connections,
+                "compress": compress,
             })),
         ),
     })

@@ -297,6 +297,9 @@ fn frame_name(f: &Frame) -> &'static str {
         Frame::RoundAck(_) => "RoundAck",
         Frame::Images(_) => "Images",
         Frame::DataPages { .. } => "DataPages",
+        Frame::Connections { .. } => "Connections",
+        Frame::Join { .. } => "Join",
+        Frame::CompressedPages(_) => "CompressedPages",
     }
 }
 

@@ -13,37 +13,44 @@
 //!   [`restore_from`] (version 1).
 
 mod bitmap;
+mod compress;
 mod config;
 mod error;
 mod image;
+mod lanes;
 mod pages;
 mod precopy;
 mod ram;
 mod receive;
 mod resident;
 mod sink;
+mod stages;
 mod stream;
 
 pub use bitmap::{words_for, Bitmap};
+pub use compress::{Codec, Compression};
 pub use config::{ConfigCheck, MigrationConfig};
 pub use error::{Error, Result};
 pub use image::{
     snapshot_file, snapshot_version, LoadReport, SnapshotImage, VerifyReport, IMAGE_ALIGN,
 };
+pub use lanes::{ParallelReceive, SpawnLane};
 pub use pages::is_zero;
 pub use precopy::{
-    migrate, snapshot, DirtySource, MigrationParams, MigrationReport, Phase, Progress, RoundStats,
-    SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
+    migrate, migrate_parallel, snapshot, DirtySource, MigrationParams, MigrationReport, Phase,
+    Progress, RoundStats, SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
 };
 pub use ram::{FileBackedRam, GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
 pub use receive::{
-    receive, restore_from, AckSender, IncomingReport, IncomingResult, IncomingRound, Restored,
+    receive, receive_parallel, restore_from, AckSender, IncomingReport, IncomingResult,
+    IncomingRound, Restored,
 };
 pub use resident::{touched_pages, Residency, ResidencyMethod};
+pub use stages::{DestinationStages, SourceStages};
 pub use stream::{
-    encode_frame, page_crc, pages_frame_len, send_reply, wait_ack, EndInfo, Frame, Header, Kind,
-    PagesHeader, RegionImage, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE, FORMAT_VERSION,
-    FRAME_HEADER_LEN, FRAME_TRAILER_LEN, HEADER_LEN, MAGIC, MAX_DATA_PAGES_PER_FRAME,
-    MAX_FRAME_PAYLOAD, MAX_IMAGE_REGIONS, MAX_PAGES_PER_FRAME, MAX_STATE_TOTAL, PAGES_FIXED_LEN,
-    SNAPSHOT_VERSION, ZERO_PAGES_FRAME_LEN,
+    encode_frame, page_crc, pages_frame_len, send_reply, wait_ack, CompressedPages, EndInfo, Frame,
+    Header, Kind, PagesHeader, RegionImage, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE,
+    FORMAT_VERSION, FRAME_HEADER_LEN, FRAME_TRAILER_LEN, HEADER_LEN, MAGIC, MAX_COMPRESSED_PAGES,
+    MAX_DATA_CONNECTIONS, MAX_DATA_PAGES_PER_FRAME, MAX_FRAME_PAYLOAD, MAX_IMAGE_REGIONS,
+    MAX_PAGES_PER_FRAME, MAX_STATE_TOTAL, PAGES_FIXED_LEN, SNAPSHOT_VERSION, ZERO_PAGES_FRAME_LEN,
 };

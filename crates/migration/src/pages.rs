@@ -13,13 +13,15 @@ use std::io::{Read, Write};
 use vm_memory::VolatileSlice;
 
 use crate::bitmap::Bitmap;
+use crate::compress::Compressor;
 use crate::error::{Error, Result};
 use crate::ram::{Layout, PAGE_SIZE, PAGE_USIZE};
 use crate::resident::touched_in;
 use crate::sink::Batch;
 use crate::stream::{
-    page_crc, pages_frame_len, pages_head, Frame, PagesHeader, StreamReader, StreamWriter,
-    MAX_PAGES_PER_FRAME, ZERO_PAGES_FRAME_LEN,
+    encode_compressed, page_crc, pages_frame_len, pages_head, CompressedPages, Frame, PagesHeader,
+    StreamReader, StreamWriter, FRAME_HEADER_LEN, FRAME_TRAILER_LEN, MAX_PAGES_PER_FRAME,
+    PAGES_FIXED_LEN, ZERO_PAGES_FRAME_LEN,
 };
 
 /// Largest run of pages one `ZeroPages` frame carries (4 GiB).
@@ -82,18 +84,59 @@ pub(crate) fn send_pages<W: Write>(
     live: bool,
     tick: &mut dyn FnMut(u64, &Sent),
 ) -> Result<Sent> {
-    let res = send_pages_inner(w, layout, set, live, tick);
+    let mut ws = [w];
+    let sent = send_pages_striped(&mut ws, layout, set, live, None, tick)?;
+    Ok(sent[0])
+}
+
+/// Pages per frame when pages are striped over several connections: small enough that
+/// every connection gets data often, large enough to keep the framing overhead at 0.4 %.
+const STRIPE_PAGES: u32 = 256;
+/// Bytes queued on one connection before it is written and the next connection's turn comes.
+const STRIPE_BYTES: usize = 1 << 20;
+
+/// [`send_pages`] over several connections: each `Pages` frame goes to the next connection
+/// in turn (a `ZeroPages` frame to the current one). Returns what went on each.
+/// With `compressor`, page data is compressed whenever it chooses a codec.
+pub(crate) fn send_pages_striped<W: Write>(
+    ws: &mut [&mut StreamWriter<W>],
+    layout: &Layout,
+    set: &Bitmap,
+    live: bool,
+    compressor: Option<&mut Compressor>,
+    tick: &mut dyn FnMut(u64, &Sent),
+) -> Result<Vec<Sent>> {
+    let mut stripe = Stripe {
+        compressor,
+        sent: vec![Sent::default(); ws.len()],
+        total: Sent::default(),
+        next: 0,
+        max_pages: if ws.len() > 1 {
+            STRIPE_PAGES
+        } else {
+            MAX_PAGES_PER_FRAME
+        },
+    };
+    let res = send_pages_inner(ws, layout, set, live, &mut stripe, tick);
     // Whatever happened, no guest reference may stay queued past this point.
-    match res {
-        Ok(sent) => {
-            w.batch.flush_to(&mut w.out)?;
-            Ok(sent)
+    let mut flushed = Ok(());
+    for w in ws.iter_mut() {
+        if res.is_ok() && flushed.is_ok() {
+            flushed = w.batch.flush_to(&mut w.out);
         }
-        Err(e) => {
-            w.batch.clear();
-            Err(e)
-        }
+        w.batch.clear();
     }
+    res.and(flushed).map(|_| stripe.sent)
+}
+
+/// Where the frames of a round go, and what went where.
+struct Stripe<'a> {
+    compressor: Option<&'a mut Compressor>,
+    sent: Vec<Sent>,
+    total: Sent,
+    /// The connection the next `Pages` frame goes to.
+    next: usize,
+    max_pages: u32,
 }
 
 struct Group {
@@ -105,13 +148,13 @@ struct Group {
 }
 
 fn send_pages_inner<W: Write>(
-    w: &mut StreamWriter<W>,
+    ws: &mut [&mut StreamWriter<W>],
     layout: &Layout,
     set: &Bitmap,
     live: bool,
+    stripe: &mut Stripe<'_>,
     tick: &mut dyn FnMut(u64, &Sent),
-) -> Result<Sent> {
-    let mut sent = Sent::default();
+) -> Result<()> {
     let mut buf = PageBuf::new();
     let mut done = 0u64;
     let mut g = Group {
@@ -121,17 +164,29 @@ fn send_pages_inner<W: Write>(
         count: 0,
         crcs: Vec::with_capacity(MAX_PAGES_PER_FRAME as usize),
     };
+    let mut inspect_time = std::time::Duration::ZERO;
+    let zero_page_crc = page_crc(&[0u8; PAGE_USIZE]);
     for (ri, r) in layout.regions.iter().enumerate() {
         let npages = r.size / PAGE_SIZE;
         for (start, count) in set.runs(ri, u64::MAX) {
             let end = (start + count).min(npages);
             for p in start..end {
-                let crc = inspect(layout.host_page(ri, p), &mut buf);
+                let t = std::time::Instant::now();
+                let mut crc = inspect(layout.host_page(ri, p), &mut buf);
+                inspect_time += t.elapsed();
+                if crc.is_none()
+                    && stripe
+                        .compressor
+                        .as_ref()
+                        .is_some_and(|c| c.merges_zero_pages())
+                {
+                    crc = Some(zero_page_crc);
+                }
                 let zero = crc.is_none();
                 let full = if g.zero {
                     g.count >= MAX_ZERO_RUN
                 } else {
-                    g.count >= MAX_PAGES_PER_FRAME
+                    g.count >= stripe.max_pages
                 };
                 if g.count > 0
                     && (g.zero != zero
@@ -139,7 +194,7 @@ fn send_pages_inner<W: Write>(
                         || g.first + u64::from(g.count) != p
                         || full)
                 {
-                    emit(w, layout, &mut g, live, &mut sent)?;
+                    emit(ws, layout, &mut g, live, stripe)?;
                 }
                 if g.count == 0 {
                     g.zero = zero;
@@ -152,46 +207,116 @@ fn send_pages_inner<W: Write>(
                 }
                 done += 1;
                 if done.is_multiple_of(4096) {
-                    tick(done, &sent);
+                    tick(done, &stripe.total);
                 }
             }
             // Runs are maximal, so the group cannot continue past a gap.
-            emit(w, layout, &mut g, live, &mut sent)?;
+            emit(ws, layout, &mut g, live, stripe)?;
         }
     }
-    tick(done, &sent);
-    Ok(sent)
+    ws[0].inspect_time += inspect_time;
+    tick(done, &stripe.total);
+    Ok(())
 }
 
 fn emit<W: Write>(
-    w: &mut StreamWriter<W>,
+    ws: &mut [&mut StreamWriter<W>],
     layout: &Layout,
     g: &mut Group,
     live: bool,
-    sent: &mut Sent,
+    stripe: &mut Stripe<'_>,
 ) -> Result<()> {
     if g.count == 0 {
         return Ok(());
     }
     let addr = layout.regions[g.region].guest_addr + g.first * PAGE_SIZE;
-    if g.zero {
+    let i = stripe.next;
+    let lanes = ws.len();
+    let w = &mut *ws[i];
+    let add = if g.zero {
         w.write_frame(&Frame::ZeroPages {
             addr,
             count: g.count,
         })?;
-        sent.zero_pages += u64::from(g.count);
-        sent.bytes += ZERO_PAGES_FRAME_LEN;
+        Sent {
+            pages: 0,
+            zero_pages: u64::from(g.count),
+            bytes: ZERO_PAGES_FRAME_LEN,
+        }
     } else {
-        let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
-        queue_guest_pages(&mut w.batch, layout, g.region, g.first, u64::from(g.count));
-        w.batch.push_bytes(&trailer);
-        sent.pages += u64::from(g.count);
-        sent.bytes += pages_frame_len(u64::from(g.count));
-        w.maybe_flush()?;
+        let (bytes_before, time_before) = (w.out.bytes, w.out.write_time);
+        let bytes =
+            match compress_group(w, layout, g, addr, live, stripe.compressor.as_deref_mut())? {
+                Some(n) => n,
+                None => {
+                    let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
+                    queue_guest_pages(&mut w.batch, layout, g.region, g.first, u64::from(g.count));
+                    w.batch.push_bytes(&trailer);
+                    pages_frame_len(u64::from(g.count))
+                }
+            };
+        if lanes > 1 {
+            // Each connection gets its share at once (1 MiB at a time), so that all of them
+            // stay busy; small frames (pages between zero pages) are gathered first.
+            if w.batch.len() >= STRIPE_BYTES || w.batch.is_full() {
+                w.batch.flush_to(&mut w.out)?;
+                stripe.next = (i + 1) % lanes;
+            }
+        } else {
+            w.maybe_flush()?;
+        }
+        if let Some(c) = stripe.compressor.as_deref_mut() {
+            c.link(w.out.bytes - bytes_before, w.out.write_time - time_before);
+        }
+        Sent {
+            pages: u64::from(g.count),
+            zero_pages: 0,
+            bytes,
+        }
+    };
+    for s in [&mut stripe.sent[i], &mut stripe.total] {
+        s.pages += add.pages;
+        s.zero_pages += add.zero_pages;
+        s.bytes += add.bytes;
     }
     g.count = 0;
     g.crcs.clear();
     Ok(())
+}
+
+/// Queues the pages of `g` as a `CompressedPages` frame if the compressor chooses a codec and
+/// the data shrinks; returns the frame's length, or `None` to send them as `Pages`.
+fn compress_group<W: Write>(
+    w: &mut StreamWriter<W>,
+    layout: &Layout,
+    g: &Group,
+    addr: u64,
+    live: bool,
+    compressor: Option<&mut Compressor>,
+) -> Result<Option<u64>> {
+    let Some(c) = compressor else {
+        return Ok(None);
+    };
+    let Some(codec) = c.choose() else {
+        return Ok(None);
+    };
+    c.raw.clear();
+    c.raw.resize(g.count as usize * PAGE_USIZE, 0);
+    let ptr = layout.host_page(g.region, g.first);
+    // SAFETY: the group's pages lie inside one region of the validated layout (a live
+    // mapping while the RAM is borrowed); a running vCPU may change them, hence the volatile
+    // read, and the per-page CRC (computed earlier) then marks the page as torn.
+    let pages = unsafe { VolatileSlice::new(ptr, c.raw.len()) };
+    pages.copy_to(&mut c.raw[..]);
+    if !c.compress(codec)? {
+        return Ok(None);
+    }
+    let mut frame = Vec::with_capacity(c.packed.len() + 4 * g.crcs.len() + 32);
+    let n = encode_compressed(addr, live, codec, &g.crcs, &c.packed, &mut frame)?;
+    w.batch.push_bytes(&frame);
+    c.compressed_raw += c.raw.len() as u64;
+    c.compressed_bytes += n;
+    Ok(Some(n))
 }
 
 /// Queues `count` guest pages from page `first` of region `region` on `batch`, by reference
@@ -216,6 +341,142 @@ pub(crate) fn queue_guest_pages(
     unsafe { batch.push_guest(ptr, count as usize * PAGE_USIZE) };
 }
 
+/// Faults in `len` bytes of fresh destination memory at `ptr` for writing, in one call
+/// (`MADV_POPULATE_WRITE`, Linux 5.14+), before page data is read into it: the kernel then
+/// copies from the socket into present pages instead of taking a fault per page in the middle
+/// of the copy. Best effort: an older kernel (`EINVAL`) leaves the faults to the copy.
+/// `FERROVM_MIGRATION_POPULATE=off` turns it off (to measure what it saves).
+fn populate_for_write(ptr: *mut u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::sync::OnceLock;
+        static ENABLED: OnceLock<bool> = OnceLock::new();
+        let enabled = *ENABLED.get_or_init(|| {
+            std::env::var("FERROVM_MIGRATION_POPULATE").map_or(true, |v| v != "off")
+        });
+        if !enabled {
+            return;
+        }
+        // MADV_POPULATE_WRITE wants a page-aligned start; guest pages are.
+        // SAFETY: the range is guest RAM of the destination (a live, writable mapping that
+        // no vCPU uses during the receive); populating it changes no byte of its contents.
+        let rc = unsafe { libc::madvise(ptr.cast(), len, libc::MADV_POPULATE_WRITE) };
+        if rc != 0 {
+            log::debug!(
+                "MADV_POPULATE_WRITE: {} (pages fault in during the copy)",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
+
+/// The destination pages of one `Pages` frame, located and checked.
+struct PagesTarget {
+    region: usize,
+    first: u64,
+    ptr: *mut u8,
+    /// Fresh memory: populate it before the data is read into it.
+    populate: bool,
+    populate_time: std::time::Duration,
+}
+
+impl PagesTarget {
+    /// Reads the frame's page data straight into guest memory; returns the pages that
+    /// failed their CRC (torn, in a live round).
+    fn read<R: Read>(&mut self, reader: &mut StreamReader<R>, h: &PagesHeader) -> Result<Vec<u32>> {
+        let len = h.count as usize * PAGE_USIZE;
+        if self.populate {
+            let t = std::time::Instant::now();
+            populate_for_write(self.ptr, len);
+            self.populate_time = t.elapsed();
+        }
+        // SAFETY: `begin_pages` located the pages inside one region, a live, writable mapping
+        // (GuestRam contract, checked `writable`). The destination guest does not run while it
+        // receives (contract of `receive`/`restore_from`), and the pages of one round are
+        // sent once, on one connection, so nothing else accesses these bytes while the slice
+        // exists; it is dropped before this function returns.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr, len) };
+        reader.read_page_data(dst)
+    }
+}
+
+/// Applies the `Pages` frame `h` from `reader` with an applier shared between connections:
+/// the data is read into guest memory without holding the lock.
+pub(crate) fn apply_pages_shared<R: Read>(
+    applier: &std::sync::Mutex<PageApplier>,
+    reader: &mut StreamReader<R>,
+    h: &PagesHeader,
+) -> Result<()> {
+    let mut target = crate::lanes::lock(applier)?.begin_pages(h)?;
+    let bad = target.read(reader, h)?;
+    crate::lanes::lock(applier)?.end_pages(&target, h.count, bad);
+    Ok(())
+}
+
+/// Applies a `CompressedPages` frame (read at byte `at`): decompresses it straight into
+/// guest memory, without holding the lock, and checks each page's CRC.
+pub(crate) fn apply_compressed(
+    applier: &std::sync::Mutex<PageApplier>,
+    c: &CompressedPages,
+    at: u64,
+) -> Result<()> {
+    let count = c.crcs.len() as u32;
+    let h = PagesHeader {
+        addr: c.addr,
+        count,
+        live: c.live,
+    };
+    let mut target = crate::lanes::lock(applier)?.begin_pages(&h)?;
+    let len = count as usize * PAGE_USIZE;
+    if target.populate {
+        let t = std::time::Instant::now();
+        populate_for_write(target.ptr, len);
+        target.populate_time = t.elapsed();
+    }
+    // SAFETY: as in `PagesTarget::read`: the pages lie inside one live, writable region, no
+    // vCPU runs, and no other connection writes them in this round.
+    let dst = unsafe { std::slice::from_raw_parts_mut(target.ptr, len) };
+    c.codec
+        .decompress(&c.data, dst)
+        .map_err(|reason| Error::Malformed {
+            kind: "CompressedPages",
+            offset: at,
+            reason: format!(
+                "its {:?} data does not decompress to {count} pages: {reason}",
+                c.codec
+            ),
+        })?;
+    let mut bad = Vec::new();
+    for (i, (page, &stored)) in dst.chunks_exact(PAGE_USIZE).zip(&c.crcs).enumerate() {
+        let computed = page_crc(page);
+        if computed == stored {
+            continue;
+        }
+        if !c.live {
+            return Err(Error::Checksum {
+                what: format!(
+                    "guest page {:#x} of the CompressedPages frame",
+                    c.addr + i as u64 * PAGE_SIZE
+                ),
+                offset: at,
+                stored,
+                computed,
+            });
+        }
+        bad.push(i as u32);
+    }
+    crate::lanes::lock(applier)?.end_pages(&target, count, bad);
+    Ok(())
+}
+
+/// Wire length of a `CompressedPages` frame.
+pub(crate) fn compressed_frame_len(c: &CompressedPages) -> u64 {
+    (FRAME_HEADER_LEN + PAGES_FIXED_LEN + FRAME_TRAILER_LEN + 4 * c.crcs.len() + c.data.len())
+        as u64
+}
+
 /// The receiving side: applies page frames to guest memory and keeps track of pages that
 /// arrived torn during live rounds.
 pub(crate) struct PageApplier {
@@ -226,7 +487,15 @@ pub(crate) struct PageApplier {
     torn: Bitmap,
     torn_count: u64,
     pub torn_recovered: u64,
+    /// Time spent populating and zeroing destination memory (stage timings).
+    pub populate_time: std::time::Duration,
+    pub zero_time: std::time::Duration,
 }
+
+// SAFETY: the raw pointers in the layout point into guest RAM, which `receive` borrows for
+// as long as any connection's thread runs (the threads are joined before it returns); every
+// access to the pointed-to pages goes through this applier's checks.
+unsafe impl Send for PageApplier {}
 
 impl PageApplier {
     /// An applier onto destination memory no vCPU uses: the pages found holding data
@@ -260,6 +529,8 @@ impl PageApplier {
             layout,
             torn_count: 0,
             torn_recovered: 0,
+            populate_time: std::time::Duration::ZERO,
+            zero_time: std::time::Duration::ZERO,
         })
     }
 
@@ -287,32 +558,33 @@ impl PageApplier {
         }
     }
 
-    /// Reads the data of the `Pages` frame `h` straight into guest memory.
-    pub fn apply_pages<R: Read>(
-        &mut self,
-        reader: &mut StreamReader<R>,
-        h: &PagesHeader,
-    ) -> Result<()> {
-        let (ri, first) = self.locate(h.addr, h.count)?;
-        let ptr = self.layout.host_page(ri, first);
-        // SAFETY: `locate` checked that the pages lie inside region `ri`, a live, writable
-        // mapping (GuestRam contract, checked `writable`). The destination guest does not run
-        // while it receives (contract of `receive`/`restore_from`), so nothing else accesses
-        // these bytes while the slice exists; it is dropped before this function returns.
-        let dst = unsafe { std::slice::from_raw_parts_mut(ptr, h.count as usize * PAGE_USIZE) };
-        let bad = reader.read_page_data(dst)?;
+    /// Where the pages of `h` go, checked against the RAM layout.
+    fn begin_pages(&self, h: &PagesHeader) -> Result<PagesTarget> {
+        let (region, first) = self.locate(h.addr, h.count)?;
+        Ok(PagesTarget {
+            region,
+            first,
+            ptr: self.layout.host_page(region, first),
+            populate: !self.maybe_nonzero.get(region, first),
+            populate_time: std::time::Duration::ZERO,
+        })
+    }
+
+    /// Records the pages of a frame as written, and those that arrived torn.
+    fn end_pages(&mut self, t: &PagesTarget, count: u32, bad: Vec<u32>) {
+        self.populate_time += t.populate_time;
         let mut bad = bad.into_iter().peekable();
-        for i in 0..u64::from(h.count) {
-            self.maybe_nonzero.set(ri, first + i);
+        for i in 0..u64::from(count) {
+            self.maybe_nonzero.set(t.region, t.first + i);
             let torn = bad.next_if(|&b| u64::from(b) == i).is_some();
-            self.set_torn(ri, first + i, torn);
+            self.set_torn(t.region, t.first + i, torn);
         }
-        Ok(())
     }
 
     /// Zeroes the pages of a `ZeroPages` frame that may hold data.
     pub fn apply_zero(&mut self, addr: u64, count: u32) -> Result<()> {
         let (ri, first) = self.locate(addr, count)?;
+        let t = std::time::Instant::now();
         for p in first..first + u64::from(count) {
             if self.maybe_nonzero.get(ri, p) {
                 let ptr = self.layout.host_page(ri, p);
@@ -323,6 +595,7 @@ impl PageApplier {
             }
             self.set_torn(ri, p, false);
         }
+        self.zero_time += t.elapsed();
         Ok(())
     }
 

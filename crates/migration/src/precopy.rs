@@ -27,11 +27,13 @@ use std::time::{Duration, Instant};
 use serde::{Serialize, Serializer};
 
 use crate::bitmap::Bitmap;
+use crate::compress::{Compression, Compressor};
 use crate::config::MigrationConfig;
 use crate::error::{Error, Result};
-use crate::pages::{send_pages, Sent};
+use crate::pages::{send_pages, send_pages_striped, Sent};
 use crate::ram::{GuestRam, Layout, PAGE_SIZE};
 use crate::resident::{prefetch_swapped, touched_in, ResidencyMethod};
+use crate::stages::SourceStages;
 use crate::stream::{
     read_reply, wait_reply, EndInfo, Frame, RoundEndInfo, StreamWriter, MAX_STATE_TOTAL,
 };
@@ -89,6 +91,8 @@ pub struct MigrationParams {
     /// Fallback when the guest dirties memory faster than the link: throttle the vCPUs
     /// (20, 40, 60, 80, 99 %) instead of stopping with a long downtime.
     pub auto_converge: bool,
+    /// Compression of page data (default: automatic, on while the link is the bottleneck).
+    pub compression: Compression,
 }
 
 impl Default for MigrationParams {
@@ -99,6 +103,7 @@ impl Default for MigrationParams {
             max_rounds: 30,
             max_time: None,
             auto_converge: false,
+            compression: Compression::Auto,
         }
     }
 }
@@ -189,6 +194,13 @@ pub struct MigrationReport {
     pub converged: bool,
     pub stop_reason: StopReason,
     pub max_throttle_percent: u8,
+    /// Where the source's time went.
+    pub stages: SourceStages,
+    /// Compression asked for, and what it did: page bytes that went out compressed and the
+    /// bytes of their frames.
+    pub compression: Compression,
+    pub compressed_page_bytes: u64,
+    pub compressed_frame_bytes: u64,
 }
 
 /// Where the migration is.
@@ -253,6 +265,8 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     /// Pages mapped from a snapshot file (lazy restore): they hold data even when absent.
     file_pages: Option<Bitmap>,
     w: StreamWriter<W>,
+    /// Data connections: pages are striped over `w` and these.
+    lanes: Vec<StreamWriter<W>>,
     ack: R,
     params: &'a MigrationParams,
     meter: Meter<P>,
@@ -268,6 +282,8 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     tracking: bool,
     throttle: u8,
     max_throttle: u8,
+    stages: SourceStages,
+    compressor: Compressor,
 }
 
 /// Migrates a running VM: streams its memory in pre-copy rounds to `out`, pauses it, sends
@@ -301,14 +317,66 @@ where
     R: Read,
     P: FnMut(&Progress),
 {
+    migrate_parallel(
+        ram,
+        config,
+        dirty,
+        vm,
+        out,
+        Vec::new(),
+        ack_in,
+        params,
+        progress,
+    )
+}
+
+/// [`migrate`] with data connections besides the control connection `out` (connected to
+/// the same destination, which accepts them with [`crate::receive_parallel`]): pages are
+/// striped over all of them, while rounds, state and `End` keep their order on `out`. It is
+/// still one migration: any connection failing fails it, with the guaranties of
+/// [`migrate`]. A bandwidth limit is shared evenly between the connections.
+#[allow(clippy::too_many_arguments)]
+pub fn migrate_parallel<G, D, V, W, R, P>(
+    ram: &G,
+    config: &MigrationConfig,
+    dirty: &mut D,
+    vm: &mut V,
+    out: W,
+    data: Vec<W>,
+    ack_in: R,
+    params: &MigrationParams,
+    progress: P,
+) -> Result<MigrationReport>
+where
+    G: GuestRam + ?Sized,
+    D: DirtySource + ?Sized,
+    V: VmControl + ?Sized,
+    W: Write,
+    R: Read,
+    P: FnMut(&Progress),
+{
     params.validate()?;
+    if data.len() > crate::stream::MAX_DATA_CONNECTIONS as usize {
+        return Err(Error::Param(format!(
+            "{} data connections, at most {} allowed",
+            data.len(),
+            crate::stream::MAX_DATA_CONNECTIONS
+        )));
+    }
+    let share = params
+        .max_bandwidth
+        .map(|b| (b / (data.len() as u64 + 1)).max(1));
     let layout = Layout::of(ram)?;
     check_config_matches_ram(config, &layout)?;
     let t0 = Instant::now();
     let mut eng = Engine {
         layout,
         file_pages: ram.file_data_pages(),
-        w: StreamWriter::with_max_bandwidth(out, params.max_bandwidth),
+        w: StreamWriter::with_max_bandwidth(out, share),
+        lanes: data
+            .into_iter()
+            .map(|d| StreamWriter::with_max_bandwidth(d, share))
+            .collect(),
         ack: ack_in,
         params,
         meter: Meter {
@@ -330,6 +398,8 @@ where
         tracking: false,
         throttle: 0,
         max_throttle: 0,
+        stages: SourceStages::default(),
+        compressor: Compressor::new(params.compression),
     };
     match eng.run(config, dirty, vm) {
         Ok(report) => {
@@ -428,6 +498,33 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
     }
 
+    /// Bytes written on every connection.
+    fn bytes_written(&self) -> u64 {
+        self.w.bytes_written() + self.lanes.iter().map(|l| l.bytes_written()).sum::<u64>()
+    }
+
+    /// Opens the data connections: each starts with the header and its `Join`; the control
+    /// connection announces them.
+    fn open_lanes(&mut self) -> Result<()> {
+        if self.lanes.is_empty() {
+            return Ok(());
+        }
+        let token = lane_token();
+        for (i, lane) in self.lanes.iter_mut().enumerate() {
+            lane.write_header()?;
+            lane.write_frame(&Frame::Join {
+                token,
+                index: i as u32 + 1,
+            })?;
+            lane.flush()?;
+        }
+        self.w.write_frame(&Frame::Connections {
+            count: self.lanes.len() as u32,
+            token,
+        })?;
+        self.w.flush()
+    }
+
     fn set_throttle<V: VmControl + ?Sized>(&mut self, vm: &mut V, percent: u8) {
         self.throttle = percent;
         self.max_throttle = self.max_throttle.max(percent);
@@ -439,9 +536,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         THROTTLE_STEPS.iter().copied().find(|&s| s > self.throttle)
     }
 
-    fn take_dirty<D: DirtySource + ?Sized>(&self, dirty: &mut D) -> Result<Bitmap> {
+    fn take_dirty<D: DirtySource + ?Sized>(&mut self, dirty: &mut D) -> Result<Bitmap> {
+        let t = Instant::now();
         let mut d = dirty.take_dirty()?;
         d.conform(&self.layout.page_counts()).map_err(Error::Vmm)?;
+        self.stages.scan += t.elapsed();
         Ok(d)
     }
 
@@ -450,13 +549,17 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let index = self.rounds.len() as u32;
         let t = Instant::now();
         self.meter.round = index;
-        let base = self.w.bytes_written();
+        let base = self.bytes_written();
         let meter = &mut self.meter;
-        let sent = send_pages(
-            &mut self.w,
+        let mut ws: Vec<&mut StreamWriter<W>> = std::iter::once(&mut self.w)
+            .chain(self.lanes.iter_mut())
+            .collect();
+        let per_lane = send_pages_striped(
+            &mut ws,
             &self.layout,
             set,
             live,
+            Some(&mut self.compressor),
             &mut |done, s: &Sent| {
                 meter.emit(
                     base + s.bytes,
@@ -465,6 +568,27 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
                 )
             },
         )?;
+        let duration_us = t.elapsed().as_micros() as u64;
+        let mut sent = Sent::default();
+        for (i, s) in per_lane.iter().enumerate() {
+            sent.pages += s.pages;
+            sent.zero_pages += s.zero_pages;
+            sent.bytes += s.bytes;
+            if i > 0 {
+                // Each data connection ends the round with its own counts.
+                let lane = &mut self.lanes[i - 1];
+                lane.write_frame(&Frame::RoundEnd(RoundEndInfo {
+                    round: index,
+                    final_round: !live,
+                    pages: s.pages,
+                    zero_pages: s.zero_pages,
+                    bytes: s.bytes,
+                    dirty_pages_found: 0,
+                    duration_us,
+                }))?;
+                lane.flush()?;
+            }
+        }
         self.w.write_frame(&Frame::RoundEnd(RoundEndInfo {
             round: index,
             final_round: !live,
@@ -472,14 +596,16 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             zero_pages: sent.zero_pages,
             bytes: sent.bytes,
             dirty_pages_found: found,
-            duration_us: t.elapsed().as_micros() as u64,
+            duration_us,
         }))?;
         self.w.flush()?;
         if live {
             // A live round ends when the destination has applied it: the bandwidth is then
             // measured end to end, and no backlog is left in socket buffers to drain while
             // the guest is paused.
+            let waiting = Instant::now();
             wait_reply(&mut self.ack, &Frame::RoundAck(index))?;
+            self.stages.round_ack_wait += waiting.elapsed();
         }
         let duration = t.elapsed();
         self.send_time += duration;
@@ -514,6 +640,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         self.w.write_frame(&Frame::Config(config.clone()))?;
         self.w.flush()?;
         wait_reply(&mut self.ack, &Frame::Ready)?;
+        self.open_lanes()?;
 
         // Round 0: the pages that hold data. Tracking starts first, so a page the guest
         // writes after the scan is caught by the dirty log.
@@ -521,6 +648,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         dirty.start_tracking()?;
         let mut last_take = Instant::now();
         let residency = touched_in(&self.layout, self.file_pages.as_ref());
+        self.stages.scan += last_take.elapsed();
         let swapped_pages = residency.swapped.count();
         if swapped_pages > 0 {
             prefetch_swapped(&self.layout, &residency.swapped);
@@ -528,7 +656,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let touched = residency.pages.count();
         let residency_method = residency.method;
         self.meter
-            .emit(self.w.bytes_written(), touched * PAGE_SIZE, true);
+            .emit(self.bytes_written(), touched * PAGE_SIZE, true);
         self.round(&residency.pages, true, touched)?;
         drop(residency.swapped);
 
@@ -544,7 +672,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             let bw = self.bandwidth();
             let estimate = Duration::from_secs_f64(((found * PAGE_SIZE) as f64 / bw).min(1e9));
             self.meter
-                .emit(self.w.bytes_written(), found * PAGE_SIZE, true);
+                .emit(self.bytes_written(), found * PAGE_SIZE, true);
             if estimate <= target {
                 break (d, StopReason::Converged, estimate);
             }
@@ -608,7 +736,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         self.final_sent = true;
         let stop_and_copy = t_pause.elapsed();
         self.meter.phase = Phase::WaitingAck;
-        self.meter.emit(self.w.bytes_written(), 0, true);
+        self.meter.emit(self.bytes_written(), 0, true);
         self.hand_over(vm)?;
         let downtime = t_pause.elapsed();
 
@@ -618,7 +746,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             downtime_estimate: estimate,
             downtime,
             stop_and_copy,
-            bytes_total: self.w.bytes_written(),
+            bytes_total: self.bytes_written(),
             pages_total: sent.0,
             zero_pages_total: sent.1,
             touched_pages: touched,
@@ -631,6 +759,20 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             stop_reason,
             max_throttle_percent: self.max_throttle,
             rounds: std::mem::take(&mut self.rounds),
+            stages: SourceStages {
+                inspect: self.w.inspect_time,
+                write: self.w.out.write_time
+                    + self
+                        .lanes
+                        .iter()
+                        .map(|l| l.out.write_time)
+                        .sum::<Duration>(),
+                compress: self.compressor.time,
+                ..self.stages.clone()
+            },
+            compression: self.params.compression,
+            compressed_page_bytes: self.compressor.compressed_raw,
+            compressed_frame_bytes: self.compressor.compressed_bytes,
         })
     }
 
@@ -655,6 +797,15 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
         wait_reply(&mut self.ack, &Frame::Ack)
     }
+}
+
+/// A token that ties the data connections to their migration (not a secret: it keeps a
+/// stray connection from joining the wrong migration).
+fn lane_token() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 32) ^ 0x9e37_79b9_7f4a_7c15
 }
 
 /// What a snapshot wrote.

@@ -2,14 +2,17 @@
 //! state blob after `End`. Also restores snapshots (the same stream, no reply channel).
 
 use std::io::{BufReader, Read, Write};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Serialize, Serializer};
 
 use crate::config::{ConfigCheck, MigrationConfig};
 use crate::error::{Error, Result};
-use crate::pages::PageApplier;
+use crate::lanes::{lock, Lanes, ParallelReceive};
+use crate::pages::{apply_compressed, apply_pages_shared, compressed_frame_len, PageApplier};
 use crate::ram::{GuestRam, Layout};
+use crate::stages::DestinationStages;
 use crate::stream::{
     pages_frame_len, send_reply, Frame, StreamReader, MAX_STATE_TOTAL, ZERO_PAGES_FRAME_LEN,
 };
@@ -51,6 +54,8 @@ pub struct IncomingReport {
     /// stop-and-copy.
     #[serde(rename = "final_phase_ms", serialize_with = "ms")]
     pub final_phase: Duration,
+    /// Where the destination's time went.
+    pub stages: DestinationStages,
 }
 
 /// Sends the destination's final word to the source.
@@ -115,7 +120,7 @@ pub struct Restored {
 pub fn receive<G, R, W>(
     ram: &G,
     input: R,
-    mut ack: W,
+    ack: W,
     expected: &ConfigCheck,
 ) -> Result<IncomingResult<W>>
 where
@@ -123,7 +128,25 @@ where
     R: Read,
     W: Write,
 {
-    match receive_core(ram, input, Some(&mut ack), expected) {
+    receive_parallel(ram, input, ack, expected, None)
+}
+
+/// [`receive`], also accepting the data connections a source announces (`--connections`):
+/// each is read by a thread of its own from `parallel.spawn`. Without `parallel`, a source
+/// that announces data connections is refused.
+pub fn receive_parallel<G, R, W>(
+    ram: &G,
+    input: R,
+    mut ack: W,
+    expected: &ConfigCheck,
+    parallel: Option<&ParallelReceive<'_>>,
+) -> Result<IncomingResult<W>>
+where
+    G: GuestRam + ?Sized,
+    R: Read,
+    W: Write,
+{
+    match receive_core(ram, input, Some(&mut ack), expected, parallel) {
         Ok((state, config, report)) => Ok(IncomingResult {
             state,
             config,
@@ -146,7 +169,8 @@ where
     G: GuestRam + ?Sized,
     R: Read,
 {
-    let (state, config, report) = receive_core::<G, R, std::io::Sink>(ram, input, None, expected)?;
+    let (state, config, report) =
+        receive_core::<G, R, std::io::Sink>(ram, input, None, expected, None)?;
     Ok(Restored {
         state,
         config,
@@ -159,6 +183,7 @@ fn receive_core<G, R, W>(
     input: R,
     mut replies: Option<&mut W>,
     expected: &ConfigCheck,
+    parallel: Option<&ParallelReceive<'_>>,
 ) -> Result<(Vec<u8>, MigrationConfig, IncomingReport)>
 where
     G: GuestRam + ?Sized,
@@ -190,10 +215,14 @@ where
         }
     };
     config.check_against(expected)?;
-    reader.set_ram_ranges(layout.ranges());
+    let reader_ranges = layout.ranges();
+    reader.set_ram_ranges(reader_ranges.clone());
 
     // Memory of the destination that already holds data (nothing, for a fresh VM).
-    let (mut applier, preexisting_pages_zeroed) = PageApplier::onto_idle_ram(layout)?;
+    let (applier, preexisting_pages_zeroed) = PageApplier::onto_idle_ram(layout)?;
+    let applier = Arc::new(Mutex::new(applier));
+    // Data connections, if the source announces any.
+    let mut lanes: Option<Lanes> = None;
 
     if let Some(w) = replies.as_mut() {
         send_reply(w, &Frame::Ready)?;
@@ -215,15 +244,23 @@ where
                 if seen_final {
                     return Err(protocol("pages after the final round".into()));
                 }
-                applier.apply_pages(&mut reader, &h)?;
+                apply_pages_shared(&applier, &mut reader, &h)?;
                 pages += u64::from(h.count);
                 bytes += pages_frame_len(u64::from(h.count));
+            }
+            Frame::CompressedPages(c) => {
+                if seen_final {
+                    return Err(protocol("pages after the final round".into()));
+                }
+                apply_compressed(&applier, &c, at)?;
+                pages += c.crcs.len() as u64;
+                bytes += compressed_frame_len(&c);
             }
             Frame::ZeroPages { addr, count } => {
                 if seen_final {
                     return Err(protocol("pages after the final round".into()));
                 }
-                applier.apply_zero(addr, count)?;
+                lock(&applier)?.apply_zero(addr, count)?;
                 zero_pages += u64::from(count);
                 bytes += ZERO_PAGES_FRAME_LEN;
             }
@@ -237,6 +274,12 @@ where
                         "round {} ends where round {index} was expected",
                         info.round
                     )));
+                }
+                if let Some(l) = lanes.as_mut() {
+                    let sum = l.round_end(index, info.final_round)?;
+                    pages += sum.pages;
+                    zero_pages += sum.zero_pages;
+                    bytes += sum.bytes;
                 }
                 if (info.pages, info.zero_pages, info.bytes) != (pages, zero_pages, bytes) {
                     return Err(protocol(format!(
@@ -261,6 +304,9 @@ where
                     last_live_end = now;
                     if let Some(w) = replies.as_mut() {
                         send_reply(w, &Frame::RoundAck(index))?;
+                    }
+                    if let Some(l) = lanes.as_ref() {
+                        l.release();
                     }
                 }
                 total_pages += pages;
@@ -292,10 +338,16 @@ where
                         info.rounds, info.total_pages, info.total_zero_pages, got.0, got.1, got.2
                     )));
                 }
+                let applier = lock(&applier)?;
                 applier.check_complete()?;
+                let lane_totals = lanes
+                    .as_ref()
+                    .map_or((0, Duration::ZERO, Duration::ZERO), |l| {
+                        (l.bytes, l.read, l.crc)
+                    });
                 let report = IncomingReport {
                     rounds,
-                    bytes_total: reader.offset(),
+                    bytes_total: reader.offset() + lane_totals.0,
                     pages_total: total_pages,
                     zero_pages_total: total_zero,
                     state_bytes: state.len() as u64,
@@ -303,6 +355,12 @@ where
                     preexisting_pages_zeroed,
                     total_time: t0.elapsed(),
                     final_phase: last_live_end.elapsed(),
+                    stages: DestinationStages {
+                        populate: applier.populate_time,
+                        read: reader.page_read_time + lane_totals.1,
+                        crc: reader.crc_time + lane_totals.2,
+                        zero: applier.zero_time,
+                    },
                 };
                 return Ok((state, config, report));
             }
@@ -313,6 +371,27 @@ where
                 })
             }
             Frame::Config(_) => return Err(protocol("a second Config frame".into())),
+            Frame::Connections { count, token } => {
+                let first = rounds.is_empty() && pages == 0 && zero_pages == 0;
+                let par = match parallel {
+                    Some(p) if first && lanes.is_none() => p,
+                    Some(_) => {
+                        return Err(protocol(
+                            "Connections after the first page or a second time".into(),
+                        ))
+                    }
+                    None => return Err(protocol(
+                        "the source announces data connections, which this receiver does not take"
+                            .into(),
+                    )),
+                };
+                lanes = Some(Lanes::accept(par, count, token, &reader_ranges, &applier)?);
+            }
+            Frame::Join { .. } => {
+                return Err(protocol(
+                    "a data connection's Join on the control connection".into(),
+                ))
+            }
             Frame::Ready | Frame::Ack | Frame::RoundAck(_) | Frame::Handover => {
                 return Err(protocol("a reply frame inside the stream".into()))
             }

@@ -70,6 +70,8 @@ pub(crate) struct Out<W: Write> {
     pub limiter: Option<TokenBucket>,
     pub bytes: u64,
     pub broken: bool,
+    /// Time spent in writes (stage timing).
+    pub write_time: Duration,
 }
 
 impl<W: Write> Out<W> {
@@ -79,11 +81,19 @@ impl<W: Write> Out<W> {
             limiter: max_bandwidth.map(TokenBucket::new),
             bytes: 0,
             broken: false,
+            write_time: Duration::ZERO,
         }
     }
 
     /// Writes every byte of `bufs`, handling short writes, EINTR and the bandwidth limit.
-    pub fn write_all_vectored(&mut self, mut bufs: &mut [IoSlice<'_>]) -> Result<()> {
+    pub fn write_all_vectored(&mut self, bufs: &mut [IoSlice<'_>]) -> Result<()> {
+        let t = Instant::now();
+        let res = self.write_all_vectored_untimed(bufs);
+        self.write_time += t.elapsed();
+        res
+    }
+
+    fn write_all_vectored_untimed(&mut self, mut bufs: &mut [IoSlice<'_>]) -> Result<()> {
         if self.broken {
             return Err(Error::io(
                 "writing the migration stream",
@@ -175,6 +185,11 @@ impl Batch {
             segs: Vec::with_capacity(MAX_SEGS + 2),
             bytes: 0,
         }
+    }
+
+    /// Bytes queued.
+    pub fn len(&self) -> usize {
+        self.bytes
     }
 
     pub fn is_full(&self) -> bool {

@@ -19,6 +19,7 @@ use std::io::{self, Read, Write};
 
 use serde::Serialize;
 
+use crate::compress::Codec;
 use crate::config::MigrationConfig;
 use crate::error::{Error, Result};
 use crate::ram::{locate_in, RamRange, PAGE_SIZE, PAGE_USIZE};
@@ -54,6 +55,8 @@ pub const PAGES_FIXED_LEN: usize = 16;
 /// `Pages` frame flag: sent while the guest was running; a page whose CRC does not match may
 /// have been torn by a guest write and must be sent again later in the stream.
 pub const FLAG_LIVE: u8 = 1;
+/// Most data connections a migration may open besides its control connection.
+pub const MAX_DATA_CONNECTIONS: u32 = 15;
 /// Largest total device/vCPU state accepted (the sum of all `State` frames).
 pub const MAX_STATE_TOTAL: usize = 256 << 20;
 
@@ -86,6 +89,14 @@ pub enum Kind {
     /// Reply: the destination has applied the final state and asks the source to let go of
     /// what it must take over (disk image locks) before it runs the guest.
     Handover = 13,
+    /// Control connection, right after `Config`: `count` data connections join this
+    /// migration (each opens with `Join` carrying the same token); pages are striped over
+    /// them and the control connection.
+    Connections = 14,
+    /// First frame of a data connection: the migration's token and the connection's index.
+    Join = 15,
+    /// A run of pages with data, compressed (LZ4 or zstd), with each page's CRC-32.
+    CompressedPages = 16,
 }
 
 impl Kind {
@@ -104,6 +115,9 @@ impl Kind {
             11 => Kind::Images,
             12 => Kind::DataPages,
             13 => Kind::Handover,
+            14 => Kind::Connections,
+            15 => Kind::Join,
+            16 => Kind::CompressedPages,
             _ => return None,
         })
     }
@@ -123,15 +137,20 @@ impl Kind {
             Kind::Images => "Images",
             Kind::DataPages => "DataPages",
             Kind::Handover => "Handover",
+            Kind::Connections => "Connections",
+            Kind::Join => "Join",
+            Kind::CompressedPages => "CompressedPages",
         }
     }
 
     fn max_len(self) -> u32 {
         match self {
             Kind::Config => MAX_CONFIG_LEN,
-            Kind::Pages | Kind::State | Kind::DataPages => MAX_FRAME_PAYLOAD,
+            Kind::Pages | Kind::State | Kind::DataPages | Kind::CompressedPages => {
+                MAX_FRAME_PAYLOAD
+            }
             Kind::Images => IMAGES_FIXED_LEN + IMAGE_ENTRY_LEN * MAX_IMAGE_REGIONS,
-            Kind::ZeroPages => PAGES_FIXED_LEN as u32,
+            Kind::ZeroPages | Kind::Connections | Kind::Join => PAGES_FIXED_LEN as u32,
             Kind::RoundEnd => ROUND_END_LEN,
             Kind::End => END_LEN,
             Kind::Error => MAX_ERROR_LEN,
@@ -143,7 +162,7 @@ impl Kind {
     /// Fixed payload length, for kinds that have one.
     fn fixed_len(self) -> Option<u32> {
         match self {
-            Kind::ZeroPages => Some(PAGES_FIXED_LEN as u32),
+            Kind::ZeroPages | Kind::Connections | Kind::Join => Some(PAGES_FIXED_LEN as u32),
             Kind::RoundEnd => Some(ROUND_END_LEN),
             Kind::End => Some(END_LEN),
             Kind::Ready | Kind::Ack | Kind::Handover => Some(0),
@@ -270,6 +289,71 @@ pub enum Frame {
         addr: u64,
         crcs: Vec<u32>,
     },
+    /// Control connection: `count` data connections carry pages too (see [`Kind::Connections`]).
+    Connections {
+        count: u32,
+        token: u64,
+    },
+    /// Opens a data connection: connection `index` (1..=count) of the migration `token`.
+    Join {
+        token: u64,
+        index: u32,
+    },
+    /// `crcs.len()` consecutive pages from `addr`, compressed with `codec` into `data`.
+    CompressedPages(CompressedPages),
+}
+
+/// A decoded `CompressedPages` frame (see [`Frame::CompressedPages`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompressedPages {
+    pub addr: u64,
+    /// Sent while the guest ran (see [`FLAG_LIVE`]).
+    pub live: bool,
+    pub codec: Codec,
+    pub crcs: Vec<u32>,
+    pub data: Vec<u8>,
+}
+
+/// Most pages one `CompressedPages` frame may hold (8 MiB once decompressed).
+pub const MAX_COMPRESSED_PAGES: u32 = 2048;
+
+/// Appends a `CompressedPages` frame to `out`; returns its wire length.
+pub(crate) fn encode_compressed(
+    addr: u64,
+    live: bool,
+    codec: Codec,
+    crcs: &[u32],
+    data: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<u64> {
+    let len = PAGES_FIXED_LEN + 4 * crcs.len() + data.len();
+    if crcs.is_empty()
+        || crcs.len() > MAX_COMPRESSED_PAGES as usize
+        || len > MAX_FRAME_PAYLOAD as usize
+    {
+        return Err(Error::Param(format!(
+            "a CompressedPages frame of {} pages and {} bytes does not fit a frame",
+            crcs.len(),
+            data.len()
+        )));
+    }
+    let h = frame_header(
+        Kind::CompressedPages,
+        if live { FLAG_LIVE } else { 0 },
+        len as u32,
+    );
+    let start = out.len();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&addr.to_le_bytes());
+    out.extend_from_slice(&(crcs.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[codec as u8, 0, 0, 0]);
+    for c in crcs {
+        out.extend_from_slice(&c.to_le_bytes());
+    }
+    out.extend_from_slice(data);
+    let c = crc(&[&out[start..]]);
+    out.extend_from_slice(&c.to_le_bytes());
+    Ok((out.len() - start) as u64)
 }
 
 fn crc(parts: &[&[u8]]) -> u32 {
@@ -418,6 +502,21 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>> {
             encode_simple(Kind::Images, &p, &mut out);
         }
         Frame::DataPages { addr, crcs } => encode_data_pages(*addr, crcs, &mut out)?,
+        Frame::CompressedPages(c) => {
+            encode_compressed(c.addr, c.live, c.codec, &c.crcs, &c.data, &mut out)?;
+        }
+        Frame::Connections { count, token } => {
+            let mut p = [0u8; PAGES_FIXED_LEN];
+            p[..4].copy_from_slice(&count.to_le_bytes());
+            p[8..].copy_from_slice(&token.to_le_bytes());
+            encode_simple(Kind::Connections, &p, &mut out);
+        }
+        Frame::Join { token, index } => {
+            let mut p = [0u8; PAGES_FIXED_LEN];
+            p[..8].copy_from_slice(&token.to_le_bytes());
+            p[8..12].copy_from_slice(&index.to_le_bytes());
+            encode_simple(Kind::Join, &p, &mut out);
+        }
     }
     Ok(out)
 }
@@ -488,6 +587,8 @@ pub const ZERO_PAGES_FRAME_LEN: u64 =
 pub struct StreamWriter<W: Write> {
     pub(crate) out: Out<W>,
     pub(crate) batch: Batch,
+    /// Time spent reading pages to send (zero check and CRC), for the stage timings.
+    pub(crate) inspect_time: std::time::Duration,
 }
 
 impl<W: Write> StreamWriter<W> {
@@ -500,6 +601,7 @@ impl<W: Write> StreamWriter<W> {
         StreamWriter {
             out: Out::new(inner, bytes_per_s),
             batch: Batch::new(),
+            inspect_time: std::time::Duration::ZERO,
         }
     }
 
@@ -641,6 +743,9 @@ pub struct StreamReader<R: Read> {
     header: Option<Header>,
     ranges: Option<Vec<RamRange>>,
     pending: Option<Pending>,
+    /// Time spent reading page data and checking its CRCs (stage timings).
+    pub(crate) page_read_time: std::time::Duration,
+    pub(crate) crc_time: std::time::Duration,
 }
 
 impl<R: Read> StreamReader<R> {
@@ -654,6 +759,8 @@ impl<R: Read> StreamReader<R> {
             header: None,
             ranges: None,
             pending: None,
+            page_read_time: std::time::Duration::ZERO,
+            crc_time: std::time::Duration::ZERO,
         }
     }
 
@@ -718,6 +825,15 @@ impl<R: Read> StreamReader<R> {
             }
         }
         Ok(())
+    }
+
+    /// For a reader that starts after the header (read on another reader of the same
+    /// connection): a version 1 stream.
+    pub(crate) fn assume_header_read(&mut self) {
+        self.header = Some(Header {
+            version: FORMAT_VERSION,
+            flags: 0,
+        });
     }
 
     /// Reads and checks the stream header (done by the first `next_frame` if not called).
@@ -815,7 +931,11 @@ impl<R: Read> StreamReader<R> {
             reason,
         };
         let flags = h[1];
-        let allowed_flags = if kind == Kind::Pages { FLAG_LIVE } else { 0 };
+        let allowed_flags = if matches!(kind, Kind::Pages | Kind::CompressedPages) {
+            FLAG_LIVE
+        } else {
+            0
+        };
         if flags & !allowed_flags != 0 {
             return Err(malformed(format!("unknown flags {flags:#04x}")));
         }
@@ -979,6 +1099,60 @@ impl<R: Read> StreamReader<R> {
                         .collect(),
                 }
             }
+            Kind::Connections => {
+                if u32_at(4) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                let count = u32_at(0);
+                if count == 0 || count > MAX_DATA_CONNECTIONS {
+                    return Err(malformed(format!(
+                        "{count} data connections (1 to {MAX_DATA_CONNECTIONS} allowed)"
+                    )));
+                }
+                Frame::Connections {
+                    count,
+                    token: u64_at(8),
+                }
+            }
+            Kind::Join => {
+                if u32_at(12) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                Frame::Join {
+                    token: u64_at(0),
+                    index: u32_at(8),
+                }
+            }
+            Kind::CompressedPages => {
+                if payload.len() < PAGES_FIXED_LEN {
+                    return Err(malformed(format!("length {len} is too short")));
+                }
+                let addr = u64_at(0);
+                let count = u32_at(8);
+                let codec = Codec::from_u8(payload[12])
+                    .ok_or_else(|| malformed(format!("unknown codec {}", payload[12])))?;
+                if payload[13..16] != [0, 0, 0] {
+                    return Err(malformed("reserved bytes are not zero".into()));
+                }
+                let table_end = PAGES_FIXED_LEN + 4 * count as usize;
+                if count == 0 || count > MAX_COMPRESSED_PAGES || table_end > payload.len() {
+                    return Err(malformed(format!(
+                        "{count} pages (1 to {MAX_COMPRESSED_PAGES}, with their CRCs inside \
+                         the frame's {len} bytes)"
+                    )));
+                }
+                self.check_range(start, addr, count)?;
+                Frame::CompressedPages(CompressedPages {
+                    addr,
+                    live: flags & FLAG_LIVE != 0,
+                    codec,
+                    crcs: payload[PAGES_FIXED_LEN..table_end]
+                        .chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                    data: payload[table_end..].to_vec(),
+                })
+            }
             Kind::Pages => return Err(malformed("unexpected Pages frame".into())),
         })
     }
@@ -1059,10 +1233,13 @@ impl<R: Read> StreamReader<R> {
             )));
         }
         let start = p.offset;
+        let t = std::time::Instant::now();
         self.fill(dst, &|| {
             format!("the page data of the Pages frame at byte {start}")
         })?;
+        let t = crate::stages::lap(&mut self.page_read_time, t);
         let computed: Vec<u32> = dst.chunks_exact(PAGE_USIZE).map(page_crc).collect();
+        crate::stages::lap(&mut self.crc_time, t);
         self.finish_pages(p, &computed)
     }
 

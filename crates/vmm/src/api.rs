@@ -70,6 +70,14 @@ pub struct MigrateRequest {
     /// Pause first, copy everything, resume on the destination (no dirty tracking needed).
     #[serde(default)]
     pub warm: bool,
+    /// TCP connections to stripe the pages over (1 to 16; default: the host's CPUs, at most
+    /// 4). A destination of a build without data connections needs 1.
+    #[serde(default)]
+    pub connections: Option<u32>,
+    /// Compression of page data: "auto" (default: on while the link is slower than
+    /// compressing), "none", "lz4" or "zstd".
+    #[serde(default)]
+    pub compress: Option<String>,
 }
 
 /// What the API reports about the machine.
