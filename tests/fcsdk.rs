@@ -1,6 +1,7 @@
 //! firecracker-go-sdk v1.0.0 drives ferrovm with its own default handlers
-//! (tests/go/fcsdk/main.go): configure, InstanceStart, pause, snapshot, stop, load the
-//! snapshot in a new ferrovm, resume. The program is built with Go (modules from the Go
+//! (tests/go/fcsdk/main.go): configure a machine with a drive, a network interface (a tap)
+//! and a vsock device, InstanceStart, pause, snapshot, stop, load the snapshot in a new
+//! ferrovm (the devices come back from the snapshot's record), resume. The program is built with Go (modules from the Go
 //! proxy; `make test` builds it first and passes it in FERROVM_FCSDK).
 
 mod common;
@@ -58,6 +59,21 @@ fn passes(log: &Path) -> Vec<u64> {
         .collect()
 }
 
+/// The tap the SDK's network interface names (the VMM creates it).
+const TAP: &str = "fcsdk0";
+
+/// Deletes the tap when the test ends, passed or not.
+struct TapGuard;
+
+impl Drop for TapGuard {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", TAP])
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
 #[test]
 fn firecracker_go_sdk_drives_a_whole_life() {
     require_kvm();
@@ -66,10 +82,18 @@ fn firecracker_go_sdk_drives_a_whole_life() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let kernel = guest("migrate-dirty");
+    // The drive: a small raw image.
+    std::fs::File::create(dir.join("disk.img"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let tap = TapGuard;
+    drop(TapGuard); // a tap left by an earlier run
     let out = Command::new(&program)
         .arg(FERROVM)
         .arg(&kernel)
         .arg(&dir)
+        .arg(TAP)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -96,5 +120,10 @@ fn firecracker_go_sdk_drives_a_whole_life() {
         std::fs::metadata(dir.join("vm.mem")).unwrap(),
     );
     assert_eq!((state.dev(), state.ino()), (mem.dev(), mem.ino()));
+    drop(tap);
+    assert!(
+        !Path::new("/sys/class/net").join(TAP).exists(),
+        "the tap {TAP} is still there"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
