@@ -7,7 +7,8 @@
 // Usage: fcsdk FERROVM KERNEL WORKDIR TAP
 //
 // KERNEL is the migrate-dirty test guest, which prints "migrate-dirty: pass N ..." lines
-// with N never decreasing, across a snapshot too. WORKDIR holds disk.img, the drive's raw
+// with N never decreasing, across a snapshot too; or blk-stress, whose "stress: round N ok"
+// lines say it wrote the drive and read it back intact. WORKDIR holds disk.img, the drive's raw
 // image; TAP is the tap the network interface uses (created by the VMM). The program
 // prints what it saw and "PASS" last; the Rust test (tests/fcsdk.rs) checks the two serial
 // logs as well, and deletes the tap.
@@ -30,7 +31,18 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-var passLine = regexp.MustCompile(`migrate-dirty: pass (\d+) `)
+// The guest's progress lines: migrate-dirty counts passes over its memory; blk-stress
+// (chosen by the kernel's file name) counts rounds of writes and checked reads on the
+// drive, so that a loaded VM proves its disk works.
+var (
+	passLine   = regexp.MustCompile(`migrate-dirty: pass (\d+) `)
+	kernelArgs = "mib=16 report_ms=100"
+)
+
+func useBlkStress() {
+	passLine = regexp.MustCompile(`stress: round (\d+) ok: `)
+	kernelArgs = "rounds=0 wait=hlt"
+}
 
 // lastPass is the highest pass the guest's serial log at path reports, or -1.
 func lastPass(path string) int {
@@ -162,7 +174,7 @@ func run(bin, kernel, dir, tap string) error {
 	cfg := firecracker.Config{
 		SocketPath:      socket,
 		KernelImagePath: kernel,
-		KernelArgs:      "mib=16 report_ms=100",
+		KernelArgs:      kernelArgs,
 		MachineCfg: models.MachineConfiguration{
 			VcpuCount:  firecracker.Int64(2),
 			MemSizeMib: firecracker.Int64(128),
@@ -273,6 +285,9 @@ func main() {
 	if len(os.Args) != 5 {
 		fmt.Fprintln(os.Stderr, "usage: fcsdk FERROVM KERNEL WORKDIR TAP")
 		os.Exit(2)
+	}
+	if strings.Contains(filepath.Base(os.Args[2]), "blk-stress") {
+		useBlkStress()
 	}
 	if err := run(os.Args[1], os.Args[2], os.Args[3], os.Args[4]); err != nil {
 		fmt.Printf("FAIL: %v\n", err)
