@@ -324,7 +324,7 @@ fn check_vsock(config: &VmConfig, record: &DeviceRecord) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{parse_disk, parse_net, parse_vsock};
+    use crate::config::{parse_disk, parse_net, parse_vsock, StartFrom};
 
     fn machine() -> VmConfig {
         let mut config = VmConfig::new(StartFrom::Kernel("k".into()));
@@ -342,8 +342,6 @@ mod tests {
     fn restore() -> VmConfig {
         VmConfig::new(StartFrom::Restore("snap".into()))
     }
-
-    use crate::config::StartFrom;
 
     #[test]
     fn a_restore_without_device_options_gets_the_recorded_devices() {
