@@ -1,6 +1,8 @@
 //! firecracker-go-sdk v1.0.0 drives ferrovm with its own default handlers
-//! (tests/go/fcsdk/main.go): configure, InstanceStart, pause, snapshot, stop, load the
-//! snapshot in a new ferrovm, resume. The program is built with Go (modules from the Go
+//! (tests/go/fcsdk/main.go): configure a machine with a drive, a network interface (a tap)
+//! and a vsock device, InstanceStart, pause, snapshot, stop, load the snapshot in a new
+//! ferrovm (the devices come back from the snapshot's record), resume; with the
+//! migrate-dirty guest, and with blk-stress, which uses the drive across the load. The program is built with Go (modules from the Go
 //! proxy; `make test` builds it first and passes it in FERROVM_FCSDK).
 
 mod common;
@@ -48,28 +50,68 @@ fn fcsdk_program() -> PathBuf {
     out
 }
 
-/// The `pass N` numbers a migrate-dirty serial log reports, in order.
-fn passes(log: &Path) -> Vec<u64> {
+/// The progress numbers a guest's serial log reports, in order: migrate-dirty's `pass N`,
+/// or blk-stress's `round N ok:` (a round writes the disk and reads it back, checked).
+fn progress(log: &Path) -> Vec<u64> {
     std::fs::read_to_string(log)
         .unwrap_or_default()
         .lines()
-        .filter_map(|l| l.strip_prefix("migrate-dirty: pass "))
+        .filter_map(|l| {
+            l.strip_prefix("migrate-dirty: pass ").or_else(|| {
+                l.strip_prefix("stress: round ")
+                    .filter(|r| r.contains(" ok: "))
+            })
+        })
         .filter_map(|rest| rest.split(' ').next()?.parse().ok())
         .collect()
 }
 
+/// Deletes the tap (which the VMM creates for the SDK's network interface) when the test
+/// ends, passed or not.
+struct TapGuard(&'static str);
+
+impl Drop for TapGuard {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", self.0])
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
+/// migrate-dirty: the guest dirties its memory, and the loaded VM goes on counting.
 #[test]
 fn firecracker_go_sdk_drives_a_whole_life() {
+    whole_life("migrate-dirty", "fcsdk0");
+}
+
+/// blk-stress: the guest writes and reads back its drive in rounds, and the loaded VM's
+/// rounds go on checking out: the rebuilt disk works.
+#[test]
+fn a_loaded_snapshot_gets_its_disk_back() {
+    whole_life("blk-stress", "fcsdk1");
+}
+
+fn whole_life(guest_name: &str, tap_name: &'static str) {
     require_kvm();
     let program = fcsdk_program();
-    let dir = std::env::temp_dir().join(format!("ferrovm-fcsdk-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("ferrovm-fcsdk-{}-{guest_name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let kernel = guest("migrate-dirty");
+    let kernel = guest(guest_name);
+    // The drive: a sparse raw image (blk-stress works on its first 2 MiB).
+    std::fs::File::create(dir.join("disk.img"))
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    drop(TapGuard(tap_name)); // a tap left by an earlier run
+    let tap = TapGuard(tap_name);
     let out = Command::new(&program)
         .arg(FERROVM)
         .arg(&kernel)
         .arg(&dir)
+        .arg(tap_name)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -80,8 +122,8 @@ fn firecracker_go_sdk_drives_a_whole_life() {
     );
     // The guest's own word: it counted passes in the first VMM, and went on from where the
     // snapshot left it in the second (the count lives in guest memory and never decreases).
-    let first = passes(&dir.join("first.serial"));
-    let second = passes(&dir.join("second.serial"));
+    let first = progress(&dir.join("first.serial"));
+    let second = progress(&dir.join("second.serial"));
     assert!(first.len() >= 2, "first VM: {first:?}");
     assert!(!second.is_empty(), "the loaded VM printed no pass");
     let at_snapshot = *first.last().unwrap();
@@ -96,5 +138,10 @@ fn firecracker_go_sdk_drives_a_whole_life() {
         std::fs::metadata(dir.join("vm.mem")).unwrap(),
     );
     assert_eq!((state.dev(), state.ino()), (mem.dev(), mem.ino()));
+    drop(tap);
+    assert!(
+        !Path::new("/sys/class/net").join(tap_name).exists(),
+        "the tap {tap_name} is still there"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -63,6 +63,7 @@ fn config(mem: &GuestMemoryMmap<()>) -> MigrationConfig {
         irqchip: "kernel".into(),
         ram_regions,
         extra: Default::default(),
+        devices: None,
     }
 }
 

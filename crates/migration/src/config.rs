@@ -22,6 +22,13 @@ pub struct MigrationConfig {
     /// "devices"). Missing on one side counts as a mismatch.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub extra: BTreeMap<String, String>,
+    /// The machine's device configuration as the VMM records it (disks, network
+    /// interfaces, vsock, ...), versioned by the VMM itself: what a snapshot load rebuilds
+    /// the devices from. Not compared by [`MigrationConfig::check_against`] (host-side
+    /// paths may differ between source and destination). Absent in snapshots and streams
+    /// of builds before it was recorded, and skipped by them when present.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<serde_json::Value>,
 }
 
 /// The destination's own configuration, against which the source's `Config` frame is checked.
@@ -121,6 +128,7 @@ mod tests {
                 size: 1 << 30,
             }],
             extra: BTreeMap::new(),
+            devices: None,
         }
     }
 
@@ -156,5 +164,22 @@ mod tests {
             e.contains("accel differs: source (not set), destination kvm"),
             "{e}"
         );
+    }
+
+    /// The device record is optional both ways: a configuration written without it (an
+    /// earlier build) reads as `None`, one with it round-trips, and it is never compared.
+    #[test]
+    fn the_device_record_is_optional_and_not_compared() {
+        let old = serde_json::to_string(&cfg()).unwrap();
+        assert!(!old.contains("devices"), "{old}");
+        let read: MigrationConfig = serde_json::from_str(&old).unwrap();
+        assert_eq!(read.devices, None);
+        let mut with = cfg();
+        with.devices = Some(serde_json::json!({"version": 1, "disks": [{"path": "/a"}]}));
+        let text = serde_json::to_string(&with).unwrap();
+        let back: MigrationConfig = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, with);
+        with.check_against(&cfg()).unwrap();
+        cfg().check_against(&with).unwrap();
     }
 }

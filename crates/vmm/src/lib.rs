@@ -16,6 +16,7 @@ pub mod memory;
 mod msi;
 mod platform;
 pub mod power;
+mod recorded;
 mod restore;
 pub mod runstate;
 mod snapshot;

@@ -225,6 +225,7 @@ impl Machine {
         if let StartFrom::Restore(path) = &config.start {
             let saved = snapshot::peek_snapshot_config(path)?;
             check_shape_against_snapshot(&config, &saved)?;
+            crate::recorded::apply_to_restore(&mut config, saved.devices.as_ref())?;
             config.memory = saved.memory_size;
             config.memory_text = format!("{}", saved.memory_size);
             config.cpus = saved.vcpus;
@@ -372,6 +373,7 @@ impl Machine {
         };
         let mut migration_config =
             snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions);
+        migration_config.devices = crate::recorded::DeviceRecord::value_of(config);
         if let Some(rom) = &rom {
             migration_config
                 .extra

@@ -329,7 +329,7 @@ fn load_lazily(
                  page data of {} before the guest runs, then mapping it",
                 path.display()
             );
-            image
+            *image
         }
     };
     let bad = |e: migration::Error| Error::File {
@@ -360,7 +360,7 @@ enum OnFault {
     /// Guest RAM is served by the pager: the state blob and the restore.
     Serving(Vec<u8>, Arc<LazyRestore>),
     /// No userfaultfd here: the image back, for the fallback, and why.
-    Unavailable(SnapshotImage, std::io::Error),
+    Unavailable(Box<SnapshotImage>, std::io::Error),
 }
 
 /// Registers guest RAM with a userfaultfd and starts the pager.
@@ -374,11 +374,11 @@ fn serve_on_fault(
 ) -> Result<OnFault> {
     let uffd = match pager::open_userfaultfd() {
         Ok(u) => u,
-        Err(e) => return Ok(OnFault::Unavailable(image, e)),
+        Err(e) => return Ok(OnFault::Unavailable(Box::new(image), e)),
     };
     if let Err(e) = pager::register(&uffd, memory) {
         // Dropping the userfaultfd ends the registration of what was registered.
-        return Ok(OnFault::Unavailable(image, e));
+        return Ok(OnFault::Unavailable(Box::new(image), e));
     }
     let state = image.state().to_vec();
     let status = Status::new(path, Check::Loading, exit);
@@ -415,6 +415,7 @@ mod tests {
             irqchip: "kernel".into(),
             ram_regions,
             extra: Default::default(),
+            devices: None,
         };
         (mem, cfg)
     }

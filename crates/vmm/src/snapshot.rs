@@ -91,6 +91,7 @@ pub fn migration_config(
             })
             .collect(),
         extra: Default::default(),
+        devices: None,
     }
 }
 

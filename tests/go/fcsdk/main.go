@@ -1,22 +1,29 @@
 // fcsdk drives ferrovm through a whole life with firecracker-go-sdk's own default
-// handlers, as an orchestrator written for Firecracker would: configure, InstanceStart,
-// pause, snapshot, stop; then load the snapshot in a new ferrovm and resume it.
+// handlers, as an orchestrator written for Firecracker would: configure a machine with a
+// drive, a network interface and a vsock device, InstanceStart, pause, snapshot, stop;
+// then load the snapshot in a new ferrovm (which rebuilds the devices from the snapshot,
+// as Firecracker does) and resume it.
 //
-// Usage: fcsdk FERROVM KERNEL WORKDIR
+// Usage: fcsdk FERROVM KERNEL WORKDIR TAP
 //
 // KERNEL is the migrate-dirty test guest, which prints "migrate-dirty: pass N ..." lines
-// with N never decreasing, across a snapshot too. The program prints what it saw and
-// "PASS" last; the Rust test (tests/fcsdk.rs) checks the two serial logs as well.
+// with N never decreasing, across a snapshot too; or blk-stress, whose "stress: round N ok"
+// lines say it wrote the drive and read it back intact. WORKDIR holds disk.img, the drive's raw
+// image; TAP is the tap the network interface uses (created by the VMM). The program
+// prints what it saw and "PASS" last; the Rust test (tests/fcsdk.rs) checks the two serial
+// logs as well, and deletes the tap.
 package main
 
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"time"
 
 	firecracker "github.com/firecracker-microvm/firecracker-go-sdk"
@@ -24,7 +31,18 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-var passLine = regexp.MustCompile(`migrate-dirty: pass (\d+) `)
+// The guest's progress lines: migrate-dirty counts passes over its memory; blk-stress
+// (chosen by the kernel's file name) counts rounds of writes and checked reads on the
+// drive, so that a loaded VM proves its disk works.
+var (
+	passLine   = regexp.MustCompile(`migrate-dirty: pass (\d+) `)
+	kernelArgs = "mib=16 report_ms=100"
+)
+
+func useBlkStress() {
+	passLine = regexp.MustCompile(`stress: round (\d+) ok: `)
+	kernelArgs = "rounds=0 wait=hlt"
+}
 
 // lastPass is the highest pass the guest's serial log at path reports, or -1.
 func lastPass(path string) int {
@@ -71,7 +89,80 @@ func logger() *logrus.Entry {
 	return logrus.NewEntry(l)
 }
 
-func run(bin, kernel, dir string) error {
+// The guest's devices: where the SDK puts them.
+type devices struct {
+	disk, tap, vsock string
+}
+
+const guestMAC = "02:fc:00:00:00:01"
+
+// checkDevices proves that the VMM with process id pid has the devices: it holds the
+// drive's image open, the tap exists on the host, and the VMM listens on the vsock socket
+// (it holds the socket bound at that path, and a host process can connect to it). The
+// migrate-dirty guest does not drive the devices: a CONNECT would wait for the guest's
+// driver, so none is sent.
+func checkDevices(pid int, d devices) error {
+	if !holdsOpen(pid, d.disk) {
+		return fmt.Errorf("the VMM (pid %d) does not hold the drive %s open", pid, d.disk)
+	}
+	if _, err := os.Stat(filepath.Join("/sys/class/net", d.tap)); err != nil {
+		return fmt.Errorf("the tap %s does not exist: %w", d.tap, err)
+	}
+	inode, err := unixSocketInode(d.vsock)
+	if err != nil {
+		return err
+	}
+	if !holdsOpen(pid, fmt.Sprintf("socket:[%s]", inode)) {
+		return fmt.Errorf("the VMM (pid %d) does not hold the vsock socket %s", pid, d.vsock)
+	}
+	conn, err := net.Dial("unix", d.vsock)
+	if err != nil {
+		return fmt.Errorf("vsock socket %s: %w", d.vsock, err)
+	}
+	return conn.Close()
+}
+
+// unixSocketInode is the inode of the Unix socket bound at path, from /proc/net/unix.
+func unixSocketInode(path string) (string, error) {
+	table, err := os.ReadFile("/proc/net/unix")
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(string(table), "\n") {
+		// Num RefCount Protocol Flags Type St Inode Path
+		if f := strings.Fields(line); len(f) == 8 && f[7] == path {
+			return f[6], nil
+		}
+	}
+	return "", fmt.Errorf("no Unix socket is bound at %s", path)
+}
+
+// killOnFailure ends the VMM the SDK started if the program fails before stopping it: it
+// would otherwise run on, holding the tap and the test's output pipe.
+func killOnFailure(cmd *exec.Cmd) {
+	if cmd.Process != nil && cmd.ProcessState == nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}
+}
+
+// holdsOpen says whether process pid has path open.
+func holdsOpen(pid int, path string) bool {
+	fds, _ := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", pid))
+	for _, fd := range fds {
+		if target, err := os.Readlink(fd); err == nil && target == path {
+			return true
+		}
+	}
+	return false
+}
+
+func run(bin, kernel, dir, tap string) error {
+	dev := devices{
+		disk:  filepath.Join(dir, "disk.img"),
+		tap:   tap,
+		vsock: filepath.Join(dir, "v.sock"),
+	}
 	ctx := context.Background()
 	first := filepath.Join(dir, "first.serial")
 	socket := filepath.Join(dir, "first.sock")
@@ -79,15 +170,29 @@ func run(bin, kernel, dir string) error {
 	if err != nil {
 		return err
 	}
+	defer killOnFailure(cmd)
 	cfg := firecracker.Config{
 		SocketPath:      socket,
 		KernelImagePath: kernel,
-		KernelArgs:      "mib=16 report_ms=100",
+		KernelArgs:      kernelArgs,
 		MachineCfg: models.MachineConfiguration{
 			VcpuCount:  firecracker.Int64(2),
 			MemSizeMib: firecracker.Int64(128),
 			Smt:        firecracker.Bool(false),
 		},
+		Drives: []models.Drive{{
+			DriveID:      firecracker.String("data"),
+			PathOnHost:   firecracker.String(dev.disk),
+			IsRootDevice: firecracker.Bool(false),
+			IsReadOnly:   firecracker.Bool(false),
+		}},
+		NetworkInterfaces: firecracker.NetworkInterfaces{{
+			StaticConfiguration: &firecracker.StaticNetworkConfiguration{
+				HostDevName: dev.tap,
+				MacAddress:  guestMAC,
+			},
+		}},
+		VsockDevices: []firecracker.VsockDevice{{ID: "vsock0", Path: dev.vsock, CID: 3}},
 		// ferrovm's own filters (the SDK passes --no-seccomp otherwise).
 		Seccomp: firecracker.SeccompConfig{Enabled: true},
 	}
@@ -106,6 +211,9 @@ func run(bin, kernel, dir string) error {
 	}
 	if _, err := waitForPass(first, n); err != nil {
 		return err
+	}
+	if err := checkDevices(cmd.Process.Pid, dev); err != nil {
+		return fmt.Errorf("first VM: %w", err)
 	}
 	if err := m.PauseVM(ctx); err != nil {
 		return fmt.Errorf("PauseVM: %w", err)
@@ -130,6 +238,9 @@ func run(bin, kernel, dir string) error {
 	if cmd, err = command(ctx, bin, socket, second); err != nil {
 		return err
 	}
+	defer killOnFailure(cmd)
+	// No devices here: the snapshot brings them (the SDK would PUT /vsock after the load,
+	// which Firecracker refuses as well).
 	cfg = firecracker.Config{
 		SocketPath: socket,
 		Seccomp:    firecracker.SeccompConfig{Enabled: true},
@@ -153,21 +264,32 @@ func run(bin, kernel, dir string) error {
 	if err != nil {
 		return err
 	}
+	if err := checkDevices(cmd.Process.Pid, dev); err != nil {
+		return fmt.Errorf("loaded VM: %w", err)
+	}
+	// The guest still runs after the device checks.
+	if _, err := waitForPass(second, resumed); err != nil {
+		return err
+	}
 	if err := m.StopVMM(); err != nil {
 		return fmt.Errorf("StopVMM (second): %w", err)
 	}
 	_ = m.Wait(ctx)
-	fmt.Printf("fcsdk: loaded VM resumed and reached pass %d\n", resumed)
+	fmt.Printf("fcsdk: loaded VM resumed and reached pass %d; drive, tap %s and vsock socket in place\n",
+		resumed, dev.tap)
 	fmt.Println("PASS")
 	return nil
 }
 
 func main() {
-	if len(os.Args) != 4 {
-		fmt.Fprintln(os.Stderr, "usage: fcsdk FERROVM KERNEL WORKDIR")
+	if len(os.Args) != 5 {
+		fmt.Fprintln(os.Stderr, "usage: fcsdk FERROVM KERNEL WORKDIR TAP")
 		os.Exit(2)
 	}
-	if err := run(os.Args[1], os.Args[2], os.Args[3]); err != nil {
+	if strings.Contains(filepath.Base(os.Args[2]), "blk-stress") {
+		useBlkStress()
+	}
+	if err := run(os.Args[1], os.Args[2], os.Args[3], os.Args[4]); err != nil {
 		fmt.Printf("FAIL: %v\n", err)
 		os.Exit(1)
 	}

@@ -37,6 +37,7 @@ pub fn config_of(mem: &GuestMemoryMmap<()>) -> MigrationConfig {
         irqchip: "kernel".into(),
         ram_regions,
         extra: Default::default(),
+        devices: None,
     }
 }
 

@@ -45,6 +45,7 @@ pub fn config() -> MigrationConfig {
         irqchip: "kernel".into(),
         ram_regions,
         extra: Default::default(),
+        devices: None,
     }
 }
 

@@ -367,6 +367,12 @@ impl PreBoot {
         let mut config = self.base.clone();
         config.start = StartFrom::Restore(state.clone());
         config.start_paused = !l.resume_vm;
+        // Devices put before the load are checked against the snapshot's recorded ones;
+        // with none, the snapshot's are rebuilt (docs/api.md).
+        // In the order InstanceStart gives them: the root device first.
+        let mut drives = self.drives.clone();
+        drives.sort_by_key(|d| !d.is_root_device);
+        config.disks = drives.iter().map(disk_of).collect();
         let config = self.devices_into(&mut config).map(|()| config);
         self.start_with(config, mem.map(|m| (state, PathBuf::from(m))))
     }
