@@ -798,3 +798,31 @@ fn send_ctrl_alt_del_reaches_the_guest_keyboard() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A guest that never reads its keyboard: the keys of two `SendCtrlAltDel`s wait (the
+/// first byte in the output buffer, 15 in the 16-byte queue); a third gets 409, and the
+/// VMM serves on.
+#[test]
+fn send_ctrl_alt_del_to_an_unread_keyboard_is_refused_once_full() {
+    require_kvm();
+    let dir = scratch("cad-full");
+    let socket = dir.join("api.sock");
+    let _vm = KillOnDrop(idle_vm(&socket));
+    wait_for_socket(&socket);
+    let cad = Some(r#"{"action_type":"SendCtrlAltDel"}"#);
+    for _ in 0..2 {
+        let (status, body) = api(&socket, "PUT", "/actions", cad);
+        assert_eq!(status, 204, "{body}");
+    }
+    let (status, body) = api(&socket, "PUT", "/actions", cad);
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["fault_message"]
+            .as_str()
+            .is_some_and(|m| m.contains("keyboard queue is full")),
+        "{body}"
+    );
+    let (status, _) = api(&socket, "GET", "/api/v1/vm.info", None);
+    assert_eq!(status, 200);
+    let _ = std::fs::remove_dir_all(&dir);
+}
