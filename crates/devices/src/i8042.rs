@@ -1,20 +1,25 @@
-//! The PS/2 controller, reduced to what a keyboard-less VM needs: the CPU
-//! reset line, and enough of the controller protocol that a guest driver
-//! probing it gets quick, consistent answers instead of waiting for
+//! The PS/2 controller, reduced to what a VM needs: the CPU reset line, a
+//! keyboard that can only press Ctrl+Alt+Del (the operator's
+//! `SendCtrlAltDel`), and enough of the controller protocol that a guest
+//! driver probing it gets quick, consistent answers instead of waiting for
 //! timeouts.
 //!
 //! Guests reset a PC by pulsing the i8042's reset output (command 0xFE on
 //! port 0x64): it is among the methods Linux tries on reboot (`reboot=k`),
-//! and what most bare-metal code uses. There is
-//! no keyboard or mouse behind it and no IRQ 1: bytes sent to the devices
-//! are dropped, so drivers conclude nothing is connected.
+//! and what most bare-metal code uses. No mouse is behind it and bytes sent
+//! to the devices are dropped (a Linux guest needs `i8042.dumbkbd` to bind
+//! its keyboard driver without probing). Key bytes wait in a bounded queue
+//! and move one at a time into the output buffer, each raising IRQ 1 (edge)
+//! when the configuration byte enables the keyboard interrupt.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
 use crate::bus::{Bus, BusDevice, BusError};
 use crate::exit::{ExitReason, ExitRequest};
+use crate::irqchip::IrqPin;
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
 
@@ -57,13 +62,26 @@ const CMD_WRITE_KBD_OUTBUF: u8 = 0xd2;
 const CMD_WRITE_AUX_OUTBUF: u8 = 0xd3;
 const CMD_WRITE_AUX: u8 = 0xd4;
 
+/// The keyboard's ISA interrupt line.
+pub const KEYBOARD_IRQ: u32 = 1;
+/// Key bytes the keyboard holds until the guest reads them.
+pub const KEYBOARD_QUEUE_BYTES: usize = 16;
+
+/// Ctrl, Alt, Del pressed, then released, as the guest reads them with
+/// translation on (scancode set 1).
+const CTRL_ALT_DEL_SET1: [u8; 8] = [0x1d, 0x38, 0xe0, 0x53, 0xe0, 0xd3, 0xb8, 0x9d];
+/// The same in set 2, what the keyboard sends with translation off.
+const CTRL_ALT_DEL_SET2: [u8; 11] = [
+    0x14, 0x11, 0xe0, 0x71, 0xe0, 0xf0, 0x71, 0xf0, 0x11, 0xf0, 0x14,
+];
+
 /// Output port bit 0 drives the CPU reset line (active low).
 const OUTPUT_PORT_RESET: u8 = 0x01;
 /// Output port as read back: reset line high, A20 enabled.
 const OUTPUT_PORT_DEFAULT: u8 = 0x03;
 
 /// Guest-visible state, for snapshots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct I8042State {
     /// Controller configuration byte ("command byte").
     pub ctr: u8,
@@ -73,6 +91,12 @@ pub struct I8042State {
     pub pending_command: Option<u8>,
     /// Whether the last byte written went to the command port.
     pub last_write_was_command: bool,
+    /// Key bytes not yet moved into the output buffer (absent in old snapshots).
+    #[serde(default)]
+    pub keyboard_queue: VecDeque<u8>,
+    /// Key bytes dropped because the queue was full.
+    #[serde(default)]
+    pub keyboard_dropped: u64,
 }
 
 impl Default for I8042State {
@@ -82,15 +106,37 @@ impl Default for I8042State {
             output: None,
             pending_command: None,
             last_write_was_command: false,
+            keyboard_queue: VecDeque::new(),
+            keyboard_dropped: 0,
         }
     }
 }
+
+/// The keyboard queue cannot take a whole key sequence: nothing of it was queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyboardQueueFull {
+    /// Bytes waiting for the guest.
+    pub queued: usize,
+}
+
+impl std::fmt::Display for KeyboardQueueFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the i8042 keyboard queue is full ({} bytes the guest has not read)",
+            self.queued
+        )
+    }
+}
+
+impl std::error::Error for KeyboardQueueFull {}
 
 /// The i8042 controller.
 #[derive(Debug)]
 pub struct I8042 {
     state: I8042State,
     exit: Arc<ExitRequest>,
+    keyboard_irq: IrqPin,
 }
 
 impl I8042 {
@@ -99,6 +145,58 @@ impl I8042 {
         I8042 {
             state: I8042State::default(),
             exit,
+            keyboard_irq: IrqPin::disconnected(KEYBOARD_IRQ),
+        }
+    }
+
+    /// Connects the keyboard interrupt (ISA IRQ 1).
+    pub fn with_keyboard_irq(mut self, irq: IrqPin) -> Self {
+        self.keyboard_irq = irq;
+        self
+    }
+
+    /// Presses and releases Ctrl, Alt and Del, in the scancode set the guest
+    /// configured (set 1 when the controller translates, else set 2). The
+    /// whole sequence is queued or, when it does not fit, none of it.
+    pub fn send_ctrl_alt_del(&mut self) -> Result<(), KeyboardQueueFull> {
+        let keys: &[u8] = if self.state.ctr & CTR_XLATE != 0 {
+            &CTRL_ALT_DEL_SET1
+        } else {
+            &CTRL_ALT_DEL_SET2
+        };
+        self.queue_keys(keys)
+    }
+
+    fn queue_keys(&mut self, keys: &[u8]) -> Result<(), KeyboardQueueFull> {
+        let queue = &mut self.state.keyboard_queue;
+        if queue.len() + keys.len() > KEYBOARD_QUEUE_BYTES {
+            self.state.keyboard_dropped += keys.len() as u64;
+            return Err(KeyboardQueueFull {
+                queued: queue.len(),
+            });
+        }
+        queue.extend(keys);
+        self.deliver_key_byte();
+        Ok(())
+    }
+
+    /// Key bytes dropped because the queue was full.
+    pub fn keyboard_dropped(&self) -> u64 {
+        self.state.keyboard_dropped
+    }
+
+    /// Moves the next key byte into an empty output buffer, unless the guest
+    /// disabled the keyboard, and interrupts if it enabled that.
+    fn deliver_key_byte(&mut self) {
+        if self.state.output.is_some() || self.state.ctr & CTR_KBD_DISABLE != 0 {
+            return;
+        }
+        let Some(byte) = self.state.keyboard_queue.pop_front() else {
+            return;
+        };
+        self.state.output = Some(byte);
+        if self.state.ctr & CTR_KBD_INT != 0 {
+            self.keyboard_irq.pulse();
         }
     }
 
@@ -112,12 +210,22 @@ impl I8042 {
 
     /// The guest-visible state.
     pub fn state(&self) -> I8042State {
-        self.state
+        self.state.clone()
     }
 
     /// Restores a state captured by [`I8042::state`]. A pending command that
-    /// takes no parameter byte is refused (the controller never holds one).
+    /// takes no parameter byte is refused (the controller never holds one), as
+    /// is a keyboard queue longer than the controller's.
     pub fn restore(&mut self, state: &I8042State) -> Result<(), StateError> {
+        if state.keyboard_queue.len() > KEYBOARD_QUEUE_BYTES {
+            return Err(StateError::new(
+                "i8042",
+                format!(
+                    "{} queued key bytes, more than {KEYBOARD_QUEUE_BYTES}",
+                    state.keyboard_queue.len()
+                ),
+            ));
+        }
         if let Some(cmd) = state.pending_command {
             if !takes_parameter(cmd) {
                 return Err(StateError::new(
@@ -126,7 +234,7 @@ impl I8042 {
                 ));
             }
         }
-        self.state = *state;
+        self.state = state.clone();
         Ok(())
     }
 
@@ -171,6 +279,7 @@ impl I8042 {
             0xf0..=0xff if cmd & OUTPUT_PORT_RESET == 0 => self.pulse_cpu_reset(),
             _ => {}
         }
+        self.deliver_key_byte();
     }
 
     fn data(&mut self, value: u8) {
@@ -185,6 +294,7 @@ impl I8042 {
             // A byte for the (absent) keyboard.
             None => {}
         }
+        self.deliver_key_byte();
     }
 }
 
@@ -209,7 +319,11 @@ impl BusDevice for I8042 {
         *first = match offset {
             // Real hardware repeats the last byte when the buffer is empty;
             // nobody should rely on it, and 0 reads as "no key".
-            DATA_OFFSET => self.state.output.take().unwrap_or(0),
+            DATA_OFFSET => {
+                let byte = self.state.output.take().unwrap_or(0);
+                self.deliver_key_byte();
+                byte
+            }
             COMMAND_OFFSET => self.status(),
             _ => 0xff,
         };
@@ -245,7 +359,7 @@ impl Lifecycle for I8042 {
         I8042::restore(self, &state.parse("i8042", I8042_STATE_VERSION)?)
     }
 
-    /// The power-on configuration byte, nothing buffered or pending.
+    /// The power-on configuration byte, nothing buffered, queued or pending.
     fn reset(&mut self) {
         self.state = I8042State::default();
     }
@@ -345,6 +459,148 @@ mod tests {
         bad.pending_command = Some(CMD_SELF_TEST);
         assert!(dev2.lock().unwrap().restore(&bad).is_err());
         assert!(serde_json::from_str::<I8042State>("{\"ctr\": 1}").is_err());
+    }
+
+    /// Counts pulses of one line.
+    #[derive(Default)]
+    struct CountingChip(std::sync::atomic::AtomicUsize);
+
+    impl crate::irqchip::IrqChip for CountingChip {
+        fn set_irq(&self, gsi: u32, level: bool) {
+            if gsi == KEYBOARD_IRQ && level {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
+
+    impl CountingChip {
+        fn count(&self) -> usize {
+            self.0.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    fn keyboard_setup() -> (Arc<CountingChip>, Bus, Arc<Mutex<I8042>>) {
+        let chip = Arc::new(CountingChip::default());
+        let mut bus = Bus::new();
+        let pin = IrqPin::new(chip.clone(), KEYBOARD_IRQ);
+        let dev = I8042::new(Arc::new(ExitRequest::new().unwrap()))
+            .with_keyboard_irq(pin)
+            .register(&mut bus)
+            .unwrap();
+        (chip, bus, dev)
+    }
+
+    fn write_ctr(bus: &Bus, ctr: u8) {
+        bus.write(COMMAND_PORT, &[CMD_WRITE_CTR]);
+        bus.write(DATA_PORT, &[ctr]);
+    }
+
+    /// Reads key bytes while the status says one is there (bounded).
+    fn read_keys(bus: &Bus) -> Vec<u8> {
+        let mut keys = Vec::new();
+        for _ in 0..64 {
+            if inb(bus, COMMAND_PORT) & STATUS_OBF == 0 {
+                break;
+            }
+            keys.push(inb(bus, DATA_PORT));
+        }
+        keys
+    }
+
+    #[test]
+    fn ctrl_alt_del_set1_one_interrupt_per_byte() {
+        let (chip, bus, dev) = keyboard_setup();
+        assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, 0);
+        dev.lock().unwrap().send_ctrl_alt_del().unwrap();
+        assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, STATUS_OBF);
+        assert_eq!(chip.count(), 1, "one edge for the first byte");
+        assert_eq!(read_keys(&bus), CTRL_ALT_DEL_SET1);
+        assert_eq!(chip.count(), 8, "one edge per byte");
+        assert!(dev.lock().unwrap().state().keyboard_queue.is_empty());
+        assert_eq!(inb(&bus, DATA_PORT), 0, "empty buffer");
+    }
+
+    #[test]
+    fn ctrl_alt_del_set2_without_translation() {
+        let (chip, bus, dev) = keyboard_setup();
+        write_ctr(&bus, CTR_KBD_INT | CTR_SYS);
+        dev.lock().unwrap().send_ctrl_alt_del().unwrap();
+        assert_eq!(read_keys(&bus), CTRL_ALT_DEL_SET2);
+        assert_eq!(chip.count(), CTRL_ALT_DEL_SET2.len());
+    }
+
+    #[test]
+    fn command_byte_gates_interrupt_and_keyboard() {
+        let (chip, bus, dev) = keyboard_setup();
+        // Interrupt off: the byte is there to poll, no edge.
+        write_ctr(&bus, CTR_SYS | CTR_XLATE);
+        dev.lock().unwrap().send_ctrl_alt_del().unwrap();
+        assert_eq!(chip.count(), 0);
+        assert_eq!(read_keys(&bus), CTRL_ALT_DEL_SET1);
+        assert_eq!(chip.count(), 0);
+        // Keyboard disabled (command 0xad): bytes wait in the queue.
+        write_ctr(&bus, CTR_KBD_INT | CTR_SYS | CTR_XLATE);
+        bus.write(COMMAND_PORT, &[CMD_KBD_DISABLE]);
+        dev.lock().unwrap().send_ctrl_alt_del().unwrap();
+        assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, 0);
+        assert_eq!(chip.count(), 0);
+        // A controller reply goes first; keys follow once the keyboard is enabled.
+        bus.write(COMMAND_PORT, &[CMD_SELF_TEST]);
+        assert_eq!(inb(&bus, DATA_PORT), 0x55);
+        assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, 0);
+        bus.write(COMMAND_PORT, &[CMD_KBD_ENABLE]);
+        assert_eq!(chip.count(), 1);
+        assert_eq!(read_keys(&bus), CTRL_ALT_DEL_SET1);
+        // Disabled through the command byte (bit 4), enabled by rewriting it.
+        write_ctr(&bus, CTR_KBD_INT | CTR_KBD_DISABLE | CTR_XLATE);
+        dev.lock().unwrap().send_ctrl_alt_del().unwrap();
+        assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, 0);
+        write_ctr(&bus, CTR_KBD_INT | CTR_XLATE);
+        assert_eq!(read_keys(&bus), CTRL_ALT_DEL_SET1);
+    }
+
+    #[test]
+    fn full_queue_drops_whole_sequence_and_counts() {
+        let (_chip, bus, dev) = keyboard_setup();
+        write_ctr(&bus, CTR_KBD_INT | CTR_KBD_DISABLE | CTR_XLATE);
+        let mut d = dev.lock().unwrap();
+        d.send_ctrl_alt_del().unwrap();
+        d.send_ctrl_alt_del().unwrap(); // 16 bytes: exactly full
+        let err = d.send_ctrl_alt_del().unwrap_err();
+        assert_eq!(err.queued, KEYBOARD_QUEUE_BYTES);
+        assert_eq!(d.keyboard_dropped(), 8);
+        assert_eq!(d.state().keyboard_queue.len(), KEYBOARD_QUEUE_BYTES);
+        drop(d);
+        write_ctr(&bus, CTR_KBD_INT | CTR_XLATE);
+        let keys = read_keys(&bus);
+        assert_eq!(keys.len(), 16);
+        assert_eq!(keys[..8], keys[8..]);
+    }
+
+    #[test]
+    fn keyboard_queue_saved_restored_and_reset() {
+        let (_chip, bus, dev) = keyboard_setup();
+        bus.write(COMMAND_PORT, &[CMD_KBD_DISABLE]);
+        dev.lock().unwrap().send_ctrl_alt_del().unwrap();
+        let saved = dev.lock().unwrap().save().unwrap();
+        let (_chip2, bus2, dev2) = keyboard_setup();
+        Lifecycle::restore(&mut *dev2.lock().unwrap(), &saved).unwrap();
+        bus2.write(COMMAND_PORT, &[CMD_KBD_ENABLE]);
+        assert_eq!(read_keys(&bus2), CTRL_ALT_DEL_SET1);
+        // An old snapshot, without the queue, restores with an empty one.
+        let old: I8042State = serde_json::from_str(
+            r#"{"ctr":69,"output":null,"pending_command":null,"last_write_was_command":false}"#,
+        )
+        .unwrap();
+        assert!(old.keyboard_queue.is_empty());
+        // Too long a queue is refused.
+        let mut bad = dev.lock().unwrap().state();
+        bad.keyboard_queue.extend([0u8; KEYBOARD_QUEUE_BYTES]);
+        assert!(dev2.lock().unwrap().restore(&bad).is_err());
+        // Reset empties it.
+        dev.lock().unwrap().reset();
+        assert!(dev.lock().unwrap().state().keyboard_queue.is_empty());
+        assert_eq!(dev.lock().unwrap().state(), I8042State::default());
     }
 
     #[test]

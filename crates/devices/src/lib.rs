@@ -18,7 +18,7 @@
 //!
 //! | ports | device |
 //! | --- | --- |
-//! | 0x60, 0x64 | [`i8042::I8042`] (reset) |
+//! | 0x60, 0x64 | [`i8042::I8042`] (reset, Ctrl+Alt+Del on IRQ 1) |
 //! | 0x92 | [`port92::Port92`] (fast A20 and reset; firmware machines) |
 //! | 0xf4 | [`debug_exit::DebugExit`] |
 //! | 0x402 | [`debugcon::DebugCon`] (firmware log; firmware machines) |

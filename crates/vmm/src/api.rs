@@ -153,6 +153,8 @@ pub struct Api {
     pub migration: Mutex<Option<Value>>,
     /// The serial console's output queue, for the count of bytes dropped.
     pub serial: Option<Arc<devices::output::OutputQueue>>,
+    /// The i8042, whose keyboard presses Ctrl+Alt+Del for `SendCtrlAltDel`.
+    pub keyboard: Option<Arc<Mutex<devices::i8042::I8042>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -180,6 +182,7 @@ impl Api {
             info,
             migration: Mutex::new(None),
             serial: None,
+            keyboard: None,
         }
     }
 
@@ -264,15 +267,24 @@ impl Api {
             Request::FcSnapshotCreate(r) => firecracker::create_snapshot(&r, |path, link| {
                 self.snapshot(path.to_path_buf(), link.map(Path::to_path_buf))
             }),
-            Request::FcAction(a) if a.action_type == "SendCtrlAltDel" => Reply::fault(
-                400,
-                "SendCtrlAltDel: not supported yet (ferrovm's i8042 has no keyboard input); \
-                 PUT /api/v1/vm.shutdown powers the guest off",
-            ),
+            Request::FcAction(a) if a.action_type == "SendCtrlAltDel" => self.send_ctrl_alt_del(),
             other => Reply::fault(
                 400,
                 format!("{}: the VM is already running", request_name(&other)),
             ),
+        }
+    }
+
+    /// Firecracker's `SendCtrlAltDel`: the keyboard presses and releases Ctrl+Alt+Del;
+    /// 204 once the keys wait for the guest (which may ignore them), 409 while the
+    /// keyboard's queue still holds earlier keys the guest has not read.
+    fn send_ctrl_alt_del(&self) -> Reply {
+        let Some(keyboard) = &self.keyboard else {
+            return Reply::fault(400, "SendCtrlAltDel: this machine has no i8042 keyboard");
+        };
+        match lock(keyboard).send_ctrl_alt_del() {
+            Ok(()) => Reply::no_content(),
+            Err(full) => Reply::fault(409, format!("SendCtrlAltDel: {full}")),
         }
     }
 

@@ -189,6 +189,8 @@ struct Machine {
     restore_paused: bool,
     /// COM1's output queue, drained at exit.
     serial_output: Option<Arc<devices::output::OutputQueue>>,
+    /// The i8042, whose keyboard the API presses Ctrl+Alt+Del on.
+    keyboard: Option<Arc<std::sync::Mutex<I8042>>>,
     /// COM1's input (a terminal or a socket), started when the machine runs.
     serial_input: Option<(
         Arc<std::sync::Mutex<SerialDevice>>,
@@ -345,6 +347,7 @@ impl Machine {
             firmware::attach(fw, config, &machine)?;
         }
         let serial_output = platform.serial_output.clone();
+        let keyboard = platform.keyboard.clone();
         let serial_input = platform.serial_input.take();
         let device_list = platform.into_list(piix.into_iter().chain(functions).collect())?;
         if caps.rtc_in_kernel && (entry.is_some() || firmware_boot) {
@@ -445,6 +448,7 @@ impl Machine {
             restore_paused: config.start_paused,
             start,
             serial_output,
+            keyboard,
             serial_input,
         })
     }
@@ -627,6 +631,7 @@ impl Machine {
     fn api_of(&self, supervisor: &Arc<Supervisor>, info: MachineInfo) -> Arc<Api> {
         let mut api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
         api.serial = self.serial_queue();
+        api.keyboard = self.keyboard.clone();
         Arc::new(api)
     }
 
@@ -843,7 +848,9 @@ fn build_buses(
     DebugExit::new(exit.clone())
         .register(&mut pio)
         .map_err(devices_err)?;
+    let keyboard_irq = IrqPin::new(irqchip.clone(), devices::i8042::KEYBOARD_IRQ);
     let i8042 = I8042::new(exit.clone())
+        .with_keyboard_irq(keyboard_irq)
         .register(&mut pio)
         .map_err(devices_err)?;
     let mut fw_cfg = FwCfg::new(config.cpus as u16, config.memory);
@@ -870,6 +877,7 @@ fn build_buses(
     pci.bus.set_reset_handler(Arc::new(move || {
         reset_exit.request(devices::exit::ExitReason::Reset);
     }));
+    let keyboard = Some(i8042.clone());
     let mut legacy: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
     if config.firmware.is_some() {
         legacy.extend(firmware::add_legacy_devices(&mut pio, exit).map_err(devices_err)?);
@@ -880,6 +888,7 @@ fn build_buses(
         fw_cfg: fw_cfg_handle,
         serial_output,
         serial_input,
+        keyboard,
         legacy,
         pci,
         irqchip: Some(chip.clone()),
@@ -1141,6 +1150,7 @@ mod tests {
             fw_cfg: Arc::new(std::sync::Mutex::new(FwCfg::new(1, 256 << 20))),
             serial_output: None,
             serial_input: None,
+            keyboard: None,
             legacy: Vec::new(),
             pci: pci.clone(),
             irqchip: None,

@@ -49,6 +49,8 @@ pub struct PlatformDevices {
     pub serial_output: Option<Arc<devices::output::OutputQueue>>,
     /// COM1 and where its input will come from, started when the machine runs.
     pub serial_input: Option<(Arc<Mutex<devices::serial::SerialDevice>>, SerialInput)>,
+    /// The i8042, for the API's `SendCtrlAltDel` (also in `legacy`).
+    pub keyboard: Option<Arc<Mutex<devices::i8042::I8042>>>,
     /// Serial, i8042, fw_cfg, ACPI PM, and the PIT and RTC where the VMM models them.
     pub legacy: Vec<SharedDevice>,
     pub pci: PciHandles,
