@@ -27,6 +27,7 @@ pub(crate) fn mode() -> Mode {
 
 #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
 pub(crate) fn start(mode: Mode, selftest: Option<Role>) -> Result<(), Error> {
+    keep_malloc_heaps();
     let programs = match mode {
         Mode::Off => Programs::new(),
         _ => crate::filter::compile_all(mode)?,
@@ -132,29 +133,21 @@ pub fn enter(role: Role) -> Result<(), Error> {
     Ok(())
 }
 
-/// A thread whose filter cannot be installed must not run unfiltered: the VMM stops.
-/// glibc reads /proc/sys/vm/overcommit_memory (openat) the first time any thread's malloc
-/// arena gives memory back to the kernel (shrink_heap), and never again. A device thread
-/// that frees a few hundred KiB would make that call under its filter; so the first new
-/// thread does it here, where the launcher's filter still allows openat.
-fn settle_malloc() {
-    static SETTLED: std::sync::Once = std::sync::Once::new();
-    SETTLED.call_once(|| {
-        // Below the mmap threshold each, together far above the trim threshold: freed,
-        // they leave a top chunk this thread's arena trims.
-        let blocks: Vec<Box<[u8]>> = (0..64)
-            .map(|i| vec![i as u8; 16 << 10].into_boxed_slice())
-            .collect();
-        std::hint::black_box(&blocks);
-        drop(blocks);
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: malloc_trim only releases free memory of the allocator's arenas.
-        unsafe {
-            libc::malloc_trim(0);
-        }
-    });
+/// glibc shrinks a thread's malloc heap when a free leaves a large top chunk, and the first
+/// time it does, it reads /proc/sys/vm/overcommit_memory (openat). A thread whose role may not
+/// open files (a device or API thread freeing what another thread allocated) would then be
+/// stopped by its filter: heaps are never shrunk (their free memory is reused, and what the
+/// process holds goes at exit).
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+fn keep_malloc_heaps() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only changes an allocator tunable.
+    unsafe {
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+    }
 }
 
+/// A thread whose filter cannot be installed must not run unfiltered: the VMM stops.
 fn enter_or_exit(role: Role, name: &str) {
     let Some(sandbox) = SANDBOX.get() else {
         return;
@@ -196,7 +189,6 @@ where
     let name = name.into();
     let label = name.clone();
     let run = move || {
-        settle_malloc();
         let prepared = setup();
         enter_or_exit(role, &label);
         body(prepared)

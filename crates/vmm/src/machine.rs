@@ -66,7 +66,6 @@ impl Outcome {
 pub fn run(config: VmConfig) -> Result<Outcome> {
     // Counted before any sandbox: the threads that migrate may not ask the system.
     snapshot::default_connections();
-    keep_malloc_heaps();
     // First, so that every thread of the machine starts in its role's sandbox.
     sandbox::start(config.seccomp)?;
     if config.start == StartFrom::Api {
@@ -149,19 +148,6 @@ enum ApiSetup {
     Own(std::os::unix::net::UnixListener, MachineInfo, SocketGuard),
     /// Served already (it configured this machine): the machine is attached once it runs.
     Attached(Arc<Server>, MachineInfo),
-}
-
-/// glibc shrinks a thread's malloc heap when a free leaves a large top chunk, and the first
-/// time it does, it reads /proc/sys/vm/overcommit_memory (openat). A thread whose role may not
-/// open files (an API thread freeing a migration's reply, after the migration thread freed its
-/// megabyte buffers) would then be stopped by its seccomp filter: heaps are never shrunk
-/// (their free memory is reused, and what the process holds goes at exit).
-fn keep_malloc_heaps() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes an allocator tunable; called before any thread starts.
-    unsafe {
-        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
-    }
 }
 
 type AckSender = migration::AckSender<snapshot::ReplyChannel>;
