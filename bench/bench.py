@@ -147,8 +147,9 @@ def tsc_hz():
 # ---------------------------------------------------------------------------------------
 # 1. start-up
 
-def time_startup(cmd):
-    """Process start -> first console byte ('!') and -> process exit, in ms."""
+def time_to_marker(cmd, marker):
+    """Runs cmd to its end; returns the ns from process start to `marker` first on its
+    console (None if never), the ns to its exit, its status and the whole console."""
     t0 = time.perf_counter_ns()
     p = subprocess.Popen(cmd, stdin=DEVNULL, stdout=subprocess.PIPE, stderr=DEVNULL, bufsize=0)
     fd = p.stdout.fileno()
@@ -158,13 +159,18 @@ def time_startup(cmd):
         if not chunk:
             break
         got += chunk
-        if first is None and b"!" in got:
-            first = time.perf_counter_ns()
+        if first is None and marker in got:
+            first = time.perf_counter_ns() - t0
     status = p.wait()
-    t_exit = time.perf_counter_ns()
+    return first, time.perf_counter_ns() - t0, status, got
+
+
+def time_startup(cmd):
+    """Process start -> first console byte ('!') and -> process exit, in ms."""
+    first, t_exit, status, got = time_to_marker(cmd, b"!")
     if status != 1 or first is None:
         raise RuntimeError(f"{cmd[0]}: status {status}, console {got[:200]!r}")
-    return (first - t0) / 1e6, (t_exit - t0) / 1e6
+    return first / 1e6, t_exit / 1e6
 
 
 def bench_startup(cfg):
@@ -672,22 +678,10 @@ def firmware_cmd(vmm, disk):
 
 def time_to_bootsector(cmd):
     """Process start -> the boot sector's first line on the console, and -> exit, in s."""
-    t0 = time.perf_counter_ns()
-    p = subprocess.Popen(cmd, stdin=DEVNULL, stdout=subprocess.PIPE, stderr=DEVNULL, bufsize=0)
-    fd = p.stdout.fileno()
-    first, got = None, b""
-    while True:
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        got += chunk
-        if first is None and b"bootsect:" in got:
-            first = time.perf_counter_ns()
-    status = p.wait()
-    t_exit = time.perf_counter_ns()
+    first, t_exit, status, got = time_to_marker(cmd, b"bootsect:")
     if status != 1 or first is None or b"bootsect: PASS" not in got:
         raise RuntimeError(f"{cmd[0]}: status {status}, console {got[-300:]!r}")
-    return (first - t0) / 1e9, (t_exit - t0) / 1e9
+    return first / 1e9, t_exit / 1e9
 
 
 def bench_firmware(cfg):
