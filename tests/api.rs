@@ -725,7 +725,7 @@ fn an_unconfigured_vmm_waits_and_ends_on_sigterm() {
     assert!(reply["fault_message"]
         .as_str()
         .unwrap()
-        .contains("guest_cid 2"));
+        .contains("guest_cid: cid 2 is reserved"));
     let (_, config) = api(&socket, "GET", "/vm/config", None);
     assert_eq!(
         config["network-interfaces"][0]["host_dev_name"], "tap0",

@@ -305,6 +305,12 @@ pub struct VsockConfig {
 /// The smallest guest context id (0-2 are reserved; 2 is the host).
 pub const MIN_VSOCK_CID: u64 = 3;
 
+/// Why `cid` cannot be a guest's context id, if it cannot (0-2 reserved, u32::MAX is "any").
+pub fn vsock_cid_refusal(cid: u64) -> Option<String> {
+    (!(MIN_VSOCK_CID..u64::from(u32::MAX)).contains(&cid))
+        .then(|| format!("cid {cid} is reserved or too large (3 to {})", u32::MAX - 1))
+}
+
 /// Parses `--vsock cid=N,socket=PATH`.
 pub fn parse_vsock(text: &str) -> Result<VsockConfig> {
     let bad = |reason: String| Error::Option {
@@ -319,11 +325,8 @@ pub fn parse_vsock(text: &str) -> Result<VsockConfig> {
                 let n: u64 = n
                     .parse()
                     .map_err(|_| bad(format!("cid {n:?} is not a number")))?;
-                if !(MIN_VSOCK_CID..u64::from(u32::MAX)).contains(&n) {
-                    return Err(bad(format!(
-                        "cid {n} is reserved or too large (3 to {})",
-                        u32::MAX - 1
-                    )));
+                if let Some(why) = vsock_cid_refusal(n) {
+                    return Err(bad(why));
                 }
                 cid = Some(n);
             }

@@ -267,12 +267,8 @@ impl PreBoot {
     }
 
     fn set_vsock(&mut self, v: FcVsock) -> Reply {
-        let cid = u64::from(v.guest_cid);
-        if !(crate::config::MIN_VSOCK_CID..u64::from(u32::MAX)).contains(&cid) {
-            return bad(format!(
-                "guest_cid {cid}: reserved or too large (3 to {})",
-                u32::MAX - 1
-            ));
+        if let Some(why) = crate::config::vsock_cid_refusal(u64::from(v.guest_cid)) {
+            return bad(format!("guest_cid: {why}"));
         }
         if v.uds_path.is_empty() {
             return bad("uds_path: empty");
