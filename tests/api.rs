@@ -95,6 +95,34 @@ fn scratch(name: &str) -> std::path::PathBuf {
     dir
 }
 
+/// An idle guest in a scratch directory, its API on `api.sock` there and ready.
+struct IdleVm {
+    dir: std::path::PathBuf,
+    socket: std::path::PathBuf,
+    child: std::process::Child,
+}
+
+impl IdleVm {
+    fn start(name: &str) -> IdleVm {
+        let dir = scratch(name);
+        let socket = dir.join("api.sock");
+        let child = idle_vm(&socket);
+        wait_for_socket(&socket);
+        IdleVm { dir, socket, child }
+    }
+
+    fn socket(&self) -> &str {
+        self.socket.to_str().unwrap()
+    }
+
+    /// Shuts the guest down through `ctl` and removes the directory.
+    fn shut_down(mut self) {
+        ctl(self.socket(), &["shutdown"]).expect_status(0);
+        self.child.wait().unwrap();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 fn idle_vm(socket: &std::path::Path) -> std::process::Child {
     let kernel = guest("idle");
     Command::new(FERROVM)
@@ -156,11 +184,9 @@ fn the_api_socket_destroys_nothing() {
 #[test]
 fn snapshots_replace_only_regular_files() {
     require_kvm();
-    let dir = scratch("snapfiles");
-    let socket = dir.join("api.sock");
-    let mut vm = idle_vm(&socket);
-    wait_for_socket(&socket);
-    let s = socket.to_str().unwrap();
+    let vm = IdleVm::start("snapfiles");
+    let dir = vm.dir.clone();
+    let s = vm.socket();
     let fifo = dir.join("fifo");
     let device = dir.join("null");
     let target = dir.join("target");
@@ -214,9 +240,7 @@ fn snapshots_replace_only_regular_files() {
         Duration::from_secs(30),
     );
     run.expect_error("snapshot must be a regular file; this is a FIFO");
-    ctl(s, &["shutdown"]).expect_status(0);
-    vm.wait().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    vm.shut_down();
 }
 
 /// A pipe whose reader never reads, already full: any blocking write to it hangs.
@@ -479,10 +503,8 @@ fn api(
 #[test]
 fn malformed_requests_get_their_status() {
     require_kvm();
-    let dir = scratch("malformed");
-    let socket = dir.join("api.sock");
-    let mut vm = idle_vm(&socket);
-    wait_for_socket(&socket);
+    let vm = IdleVm::start("malformed");
+    let socket = vm.socket.clone();
     let put = |path: &str, body: &str| {
         raw_exchange(
             &socket,
@@ -554,9 +576,7 @@ fn malformed_requests_get_their_status() {
     }
     let (status, info) = api(&socket, "GET", "/api/v1/vm.info", None);
     assert_eq!((status, info["state"].as_str()), (200, Some("running")));
-    ctl(socket.to_str().unwrap(), &["shutdown"]).expect_status(0);
-    vm.wait().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    vm.shut_down();
 }
 
 /// More than 16 connections get 429 (not a thread each); a client that sends nothing, or a

@@ -378,6 +378,37 @@ impl Drop for Vm {
     }
 }
 
+/// A vsock-echo guest that has connected to an echo server on `socket`'s host port and now
+/// waits for a transport reset, with the server that answers it.
+struct ResetSource {
+    vm: Vm,
+    stop: Arc<AtomicBool>,
+    server: JoinHandle<Vec<u64>>,
+}
+
+impl ResetSource {
+    fn start(dir: &Path, socket: &Path, cmdline: &str) -> ResetSource {
+        let kernel = guest("vsock-echo");
+        let listener = UnixListener::bind(port_path(socket, HOST_PORT)).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let server = echo_server(listener, stop.clone());
+        let vsock = vsock_arg(socket);
+        let kernel = kernel.to_str().unwrap();
+        let args = ["--kernel", kernel, "--vsock", &vsock, "--cmdline", cmdline];
+        let mut vm = Vm::start(&args, dir, "source");
+        vm.wait_for("waiting for a transport reset", Duration::from_secs(60));
+        ResetSource { vm, stop, server }
+    }
+
+    /// Waits for the source to end, then stops the echo server: the source's status and
+    /// stderr, and what the server's connections echoed.
+    fn end(self) -> (Option<i32>, String, Vec<u64>) {
+        let (status, stderr) = self.vm.finish(Duration::from_secs(30));
+        self.stop.store(true, Ordering::SeqCst);
+        (status, stderr, self.server.join().unwrap())
+    }
+}
+
 /// A guest with an open connection is snapshotted and restored (on another socket path):
 /// the restored device sends TRANSPORT_RESET, the guest finds its old connection gone and
 /// then connects both ways afresh; the source's host-side socket was closed at its end.
@@ -385,36 +416,17 @@ impl Drop for Vm {
 fn connections_are_reset_across_a_snapshot() {
     require_kvm();
     let dir = scratch("snapshot");
-    let kernel = guest("vsock-echo");
     let bytes = 256u64 << 10;
     let cmdline = format!("reset=1 bytes={bytes}");
-    let source_socket = dir.join("a.sock");
-    let listener = UnixListener::bind(port_path(&source_socket, HOST_PORT)).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let source_server = echo_server(listener, stop.clone());
-    let vsock = vsock_arg(&source_socket);
-    let mut source = Vm::start(
-        &[
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--vsock",
-            &vsock,
-            "--cmdline",
-            &cmdline,
-        ],
-        &dir,
-        "source",
-    );
-    source.wait_for("waiting for a transport reset", Duration::from_secs(60));
+    let source = ResetSource::start(&dir, &dir.join("a.sock"), &cmdline);
     let snap = dir.join("vm.snap");
     source
+        .vm
         .ctl(&["snapshot", snap.to_str().unwrap()])
         .expect_status(0);
-    source.ctl(&["shutdown"]).expect_status(0);
-    source.finish(Duration::from_secs(30));
-    stop.store(true, Ordering::SeqCst);
+    source.vm.ctl(&["shutdown"]).expect_status(0);
     // The echo server's one connection ended when the source went: 4 KiB echoed.
-    assert_eq!(source_server.join().unwrap(), [4096]);
+    assert_eq!(source.end().2, [4096]);
 
     let socket = dir.join("b.sock");
     let host = HostSide::start(&socket, bytes);
@@ -446,32 +458,14 @@ fn connections_are_reset_across_a_snapshot() {
 fn a_snapshot_restores_only_with_its_cid() {
     require_kvm();
     let dir = scratch("cid");
-    let kernel = guest("vsock-echo");
-    let socket = dir.join("a.sock");
-    let listener = UnixListener::bind(port_path(&socket, HOST_PORT)).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let server = echo_server(listener, stop.clone());
-    let vsock = vsock_arg(&socket);
-    let mut source = Vm::start(
-        &[
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--vsock",
-            &vsock,
-            "--cmdline",
-            "reset=1",
-        ],
-        &dir,
-        "source",
-    );
-    source.wait_for("waiting for a transport reset", Duration::from_secs(60));
+    let source = ResetSource::start(&dir, &dir.join("a.sock"), "reset=1");
     let snap = dir.join("vm.snap");
     source
+        .vm
         .ctl(&["snapshot", snap.to_str().unwrap()])
         .expect_status(0);
-    drop(source);
-    stop.store(true, Ordering::SeqCst);
-    server.join().unwrap();
+    source.vm.ctl(&["shutdown"]).expect_status(0);
+    source.end();
     let other = format!("cid=4,socket={}", dir.join("b.sock").display());
     ferrovm(
         &[
@@ -613,37 +607,18 @@ fn free_port() -> u16 {
 fn connections_are_reset_across_a_migration() {
     require_kvm();
     let dir = scratch("migration");
-    let kernel = guest("vsock-echo");
     let bytes = 128u64 << 10;
-    let cmdline = format!("reset=1 bytes={bytes}");
-    let source_socket = dir.join("a.sock");
-    let listener = UnixListener::bind(port_path(&source_socket, HOST_PORT)).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let source_server = echo_server(listener, stop.clone());
     let socket = dir.join("b.sock");
     let host = HostSide::start(&socket, bytes);
     let listen = format!("tcp:127.0.0.1:{}", free_port());
     let vsock = vsock_arg(&socket);
     let dest = Vm::start(&["--incoming", &listen, "--vsock", &vsock], &dir, "dest");
-    let vsock = vsock_arg(&source_socket);
-    let mut source = Vm::start(
-        &[
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--vsock",
-            &vsock,
-            "--cmdline",
-            &cmdline,
-        ],
-        &dir,
-        "source",
-    );
-    source.wait_for("waiting for a transport reset", Duration::from_secs(60));
-    source.ctl(&["migrate", &listen]).expect_status(0);
-    let (status, stderr) = source.finish(Duration::from_secs(30));
+    let cmdline = format!("reset=1 bytes={bytes}");
+    let source = ResetSource::start(&dir, &dir.join("a.sock"), &cmdline);
+    source.vm.ctl(&["migrate", &listen]).expect_status(0);
+    let (status, stderr, echoed) = source.end();
     assert_eq!(status, Some(0), "{stderr}");
-    stop.store(true, Ordering::SeqCst);
-    assert_eq!(source_server.join().unwrap(), [4096]);
+    assert_eq!(echoed, [4096]);
     let serial = dest.serial.clone();
     let (status, stderr) = dest.finish(Duration::from_secs(120));
     let output = std::fs::read_to_string(serial).unwrap_or_default();
