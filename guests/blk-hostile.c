@@ -511,10 +511,5 @@ void guest_main(void)
 	case_us = cmdline_uint("case_ms", 2000) * 1000;
 	strict = cmdline_uint("strict", 0);
 	irq = cmdline_uint("irq", 1);
-	tsc_hz();
-	lapic_enable();
-	lapic_mask_lint0();
-	pic_disable();
-	enter_ring3_irq(work, 0, true);
-	pass();
+	run_ring3_device_guest(work);
 }

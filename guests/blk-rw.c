@@ -308,10 +308,5 @@ static u64 work(u64 arg)
 
 void guest_main(void)
 {
-	tsc_hz();
-	lapic_enable();
-	lapic_mask_lint0();
-	pic_disable();
-	enter_ring3_irq(work, 0, true);
-	pass();
+	run_ring3_device_guest(work);
 }

@@ -115,6 +115,9 @@ typedef u64 (*ring3_fn_t)(u64 arg);
  * interrupts as requested, own 64 KiB stack) and returns its result. */
 u64 enter_ring3_irq(ring3_fn_t fn, u64 arg, bool interrupts);
 static inline u64 enter_ring3(ring3_fn_t fn, u64 arg) { return enter_ring3_irq(fn, arg, false); }
+/* The device guests' main: the local APIC on (LINT0 masked, the 8259s off), then fn(0)
+ * at CPL 3 with interrupts on, then PASS.  Failures inside fn end the guest themselves. */
+NORETURN void run_ring3_device_guest(ring3_fn_t fn);
 
 /* Issues a ring-3 service request (UD2 with RAX = nr, RDI = a, RSI = b);
  * returns RAX as set by the service.  Only meaningful at CPL 3. */

@@ -14,3 +14,13 @@ NORETURN void kit_main(void)
 	guest_main();
 	pass();
 }
+
+NORETURN void run_ring3_device_guest(ring3_fn_t fn)
+{
+	tsc_hz();
+	lapic_enable();
+	lapic_mask_lint0();
+	pic_disable();
+	enter_ring3_irq(fn, 0, true);
+	pass();
+}
