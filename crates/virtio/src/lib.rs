@@ -48,6 +48,13 @@ pub trait Interrupt: Send + Sync {
     /// beyond the queue): DEVICE_NEEDS_RESET and a configuration interrupt (virtio 1.2,
     /// 2.1.2). The device stops serving that queue until the driver resets it.
     fn needs_reset(&self);
+    /// A duplicate of the eventfd that interrupts the driver for `queue` in the kernel (the
+    /// KVM irqfd of the queue's MSI-X vector), for a device whose queue the kernel serves
+    /// (vhost-net). `None` (the default) where there is none: MSI-X off (INTx), no vector,
+    /// or no irqfd (bhyve, kernel eventfds off).
+    fn queue_irqfd(&self, _queue: u16) -> Option<std::os::fd::OwnedFd> {
+        None
+    }
 }
 
 /// One queue handed to a device at activation.
