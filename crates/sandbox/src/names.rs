@@ -321,6 +321,14 @@ mod tests {
         assert_eq!(ioctl.value("TCGETS"), Some(0x5401));
         assert_eq!(ioctl.value("BLKZEROOUT"), Some(0x127f));
         assert_eq!(ioctl.value("KVM_NOT_AN_IOCTL"), None);
+        // linux/vhost.h, as the rust-vmm vhost crate's bindings compute them.
+        assert_eq!(ioctl.value("VHOST_GET_FEATURES"), Some(0x8008_af00));
+        assert_eq!(ioctl.value("VHOST_SET_OWNER"), Some(0xaf01));
+        assert_eq!(ioctl.value("VHOST_SET_MEM_TABLE"), Some(0x4008_af03));
+        assert_eq!(ioctl.value("VHOST_SET_VRING_ADDR"), Some(0x4028_af11));
+        assert_eq!(ioctl.value("VHOST_GET_VRING_BASE"), Some(0xc008_af12));
+        assert_eq!(ioctl.value("VHOST_SET_VRING_CALL"), Some(0x4008_af21));
+        assert_eq!(ioctl.value("VHOST_NET_SET_BACKEND"), Some(0x4008_af30));
     }
 
     #[test]
