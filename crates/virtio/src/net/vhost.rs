@@ -313,6 +313,10 @@ impl<B: VhostNetOps + Send> KernelDataPath for VhostNet<B> {
         if queues.len() != calls.len() {
             return Err(ActivateError("vhost-net: one irqfd per queue".into()));
         }
+        if self.active() {
+            // Activated again without a reset in between: the old rings go first.
+            drop(self.stop());
+        }
         self.rings = queues
             .into_iter()
             .zip(calls)

@@ -603,3 +603,26 @@ fn without_an_irqfd_the_device_serves_the_queues_itself() {
 fn tap_identity(net: &Net) -> (u64, u64) {
     identity(net.shared.taps[0].poll_fd())
 }
+
+#[test]
+fn a_second_start_without_a_reset_detaches_the_old_rings_first() {
+    let driver = TestDriver::new(&[16, 16]);
+    let mut s = setup(1, memory_regions(&*driver.mem));
+    for round in 0..2 {
+        let (_events, calls) = irqfds(2);
+        let reader = used_index_reader(driver.mem.clone());
+        s.vhost
+            .start(
+                1 << VIRTIO_F_VERSION_1,
+                driver.active_queues(),
+                calls,
+                reader,
+                false,
+            )
+            .unwrap();
+        let calls = take_calls(&s.record);
+        let detached = calls.contains(&Call::Backend(0, 0, None));
+        assert_eq!(detached, round == 1, "round {round}: {calls:?}");
+    }
+    assert_eq!(s.vhost.queue_states().len(), 2);
+}
