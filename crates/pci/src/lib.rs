@@ -50,6 +50,12 @@ pub trait MsiTarget: Send + Sync {
     /// Delivers entry `vector`'s current message. Called only for an unmasked entry while
     /// MSI-X is enabled.
     fn fire(&self, vector: u16);
+    /// A duplicate of the eventfd whose signal delivers entry `vector` in the kernel (KVM's
+    /// irqfd), for a device whose queues the kernel serves (vhost) to interrupt the guest
+    /// without the VMM. `None` where the entry has no such route (the default).
+    fn irqfd(&self, _vector: u16) -> Option<std::os::fd::OwnedFd> {
+        None
+    }
 }
 
 /// What kind of address space a BAR decodes.

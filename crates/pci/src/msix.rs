@@ -338,6 +338,14 @@ impl Msix {
         Notified::Fired
     }
 
+    /// The kernel's eventfd for `vector` ([`MsiTarget::irqfd`]) while MSI-X is enabled.
+    pub fn irqfd(&self, vector: u16) -> Option<std::os::fd::OwnedFd> {
+        if !self.enabled || usize::from(vector) >= self.table.len() {
+            return None;
+        }
+        self.target.irqfd(vector)
+    }
+
     /// Whether `vector`'s pending bit is set.
     pub fn is_pending(&self, vector: u16) -> bool {
         let index = usize::from(vector);

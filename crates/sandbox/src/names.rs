@@ -88,6 +88,22 @@ ioctl_iowr_nr!(UFFDIO_CONTINUE, UFFDIO, 0x07, [u64; 4]);
 ioctl_io_nr!(BLKDISCARD, 0x12, 119);
 ioctl_io_nr!(BLKZEROOUT, 0x12, 127);
 
+// vhost-net (linux/vhost.h, type 0xAF). Sizes: struct vhost_memory's header (2 u32),
+// vhost_vring_state (2 u32), vhost_vring_addr (2 u32 + 4 u64 = 40 bytes), vhost_vring_file
+// (2 i32).
+const VHOST_VIRTIO: u32 = 0xAF;
+ioctl_ior_nr!(VHOST_GET_FEATURES, VHOST_VIRTIO, 0x00, u64);
+ioctl_iow_nr!(VHOST_SET_FEATURES, VHOST_VIRTIO, 0x00, u64);
+ioctl_io_nr!(VHOST_SET_OWNER, VHOST_VIRTIO, 0x01);
+ioctl_iow_nr!(VHOST_SET_MEM_TABLE, VHOST_VIRTIO, 0x03, [u32; 2]);
+ioctl_iow_nr!(VHOST_SET_VRING_NUM, VHOST_VIRTIO, 0x10, [u32; 2]);
+ioctl_iow_nr!(VHOST_SET_VRING_ADDR, VHOST_VIRTIO, 0x11, [u64; 5]);
+ioctl_iow_nr!(VHOST_SET_VRING_BASE, VHOST_VIRTIO, 0x12, [u32; 2]);
+ioctl_iowr_nr!(VHOST_GET_VRING_BASE, VHOST_VIRTIO, 0x12, [u32; 2]);
+ioctl_iow_nr!(VHOST_SET_VRING_KICK, VHOST_VIRTIO, 0x20, [i32; 2]);
+ioctl_iow_nr!(VHOST_SET_VRING_CALL, VHOST_VIRTIO, 0x21, [i32; 2]);
+ioctl_iow_nr!(VHOST_NET_SET_BACKEND, VHOST_VIRTIO, 0x30, [i32; 2]);
+
 /// Pairs each listed constant with its name.
 macro_rules! named {
     ($($name:ident),* $(,)?) => { &[$((stringify!($name), $name as u64)),*] };
@@ -167,6 +183,19 @@ fn ioctl_requests() -> Vec<(&'static str, u64)> {
         UFFDIO_CONTINUE,
     ];
     let block = named_ioctls![BLKDISCARD, BLKZEROOUT];
+    let vhost = named_ioctls![
+        VHOST_GET_FEATURES,
+        VHOST_SET_FEATURES,
+        VHOST_SET_OWNER,
+        VHOST_SET_MEM_TABLE,
+        VHOST_SET_VRING_NUM,
+        VHOST_SET_VRING_ADDR,
+        VHOST_SET_VRING_BASE,
+        VHOST_GET_VRING_BASE,
+        VHOST_SET_VRING_KICK,
+        VHOST_SET_VRING_CALL,
+        VHOST_NET_SET_BACKEND,
+    ];
     use libc::{FIOCLEX, FIONBIO, FIONCLEX, FIONREAD, TCGETS, TCSETS, TIOCGWINSZ};
     let tty: &[(&str, u64)] =
         named![TCGETS, TCSETS, TIOCGWINSZ, FIONBIO, FIONREAD, FIOCLEX, FIONCLEX];
@@ -176,6 +205,7 @@ fn ioctl_requests() -> Vec<(&'static str, u64)> {
     kvm.iter()
         .chain(uffd.iter())
         .chain(block.iter())
+        .chain(vhost.iter())
         .chain(tty)
         .chain(tap)
         .copied()
@@ -291,6 +321,14 @@ mod tests {
         assert_eq!(ioctl.value("TCGETS"), Some(0x5401));
         assert_eq!(ioctl.value("BLKZEROOUT"), Some(0x127f));
         assert_eq!(ioctl.value("KVM_NOT_AN_IOCTL"), None);
+        // linux/vhost.h, as the rust-vmm vhost crate's bindings compute them.
+        assert_eq!(ioctl.value("VHOST_GET_FEATURES"), Some(0x8008_af00));
+        assert_eq!(ioctl.value("VHOST_SET_OWNER"), Some(0xaf01));
+        assert_eq!(ioctl.value("VHOST_SET_MEM_TABLE"), Some(0x4008_af03));
+        assert_eq!(ioctl.value("VHOST_SET_VRING_ADDR"), Some(0x4028_af11));
+        assert_eq!(ioctl.value("VHOST_GET_VRING_BASE"), Some(0xc008_af12));
+        assert_eq!(ioctl.value("VHOST_SET_VRING_CALL"), Some(0x4008_af21));
+        assert_eq!(ioctl.value("VHOST_NET_SET_BACKEND"), Some(0x4008_af30));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use devices::exit::Waker;
 use devices::{DeviceState, LifecycleError, StateError};
 use serde::{Deserialize, Serialize};
-use virtio_queue::{DescriptorChain, QueueState};
+use virtio_queue::DescriptorChain;
 use vm_memory::GuestMemory;
 
 use crate::rng::COMMON_FEATURES;
@@ -286,20 +286,12 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Console {
         )
     }
 
-    fn reset(&mut self) -> Vec<ActiveQueue> {
-        self.workers.stop()
+    fn workers(&self) -> Option<&Workers> {
+        Some(&self.workers)
     }
 
-    fn pause(&mut self) -> Result<(), LifecycleError> {
-        self.workers.pause()
-    }
-
-    fn resume(&mut self) -> Result<(), LifecycleError> {
-        self.workers.resume()
-    }
-
-    fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
-        self.workers.queue_states()
+    fn workers_mut(&mut self) -> Option<&mut Workers> {
+        Some(&mut self.workers)
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {

@@ -29,6 +29,7 @@ pub mod vsock;
 pub mod worker;
 
 pub use transport::{IoEventError, IoEventRegistrar, VirtioInterrupt, VirtioPciDevice};
+pub use worker::Workers;
 
 /// Device type numbers (virtio 1.2, section 5).
 pub mod device_type {
@@ -48,6 +49,13 @@ pub trait Interrupt: Send + Sync {
     /// beyond the queue): DEVICE_NEEDS_RESET and a configuration interrupt (virtio 1.2,
     /// 2.1.2). The device stops serving that queue until the driver resets it.
     fn needs_reset(&self);
+    /// A duplicate of the eventfd that interrupts the driver for `queue` in the kernel (the
+    /// KVM irqfd of the queue's MSI-X vector), for a device whose queue the kernel serves
+    /// (vhost-net). `None` (the default) where there is none: MSI-X off (INTx), no vector,
+    /// or no irqfd (bhyve, kernel eventfds off).
+    fn queue_irqfd(&self, _queue: u16) -> Option<std::os::fd::OwnedFd> {
+        None
+    }
 }
 
 /// One queue handed to a device at activation.
@@ -83,18 +91,38 @@ pub trait VirtioDevice<M: GuestMemory + Send + Sync + 'static>: Send {
         queues: Vec<ActiveQueue>,
         interrupt: Arc<dyn Interrupt>,
     ) -> Result<(), ActivateError>;
+    /// The I/O threads the device serves its queues on, for a device that uses
+    /// [`Workers`]: the default `reset`, `pause`, `resume` and `queue_states` forward to
+    /// them. `None` (the default): the device implements those itself.
+    fn workers(&self) -> Option<&Workers> {
+        None
+    }
+    /// [`VirtioDevice::workers`], to change them.
+    fn workers_mut(&mut self) -> Option<&mut Workers> {
+        None
+    }
     /// Device reset by the driver: stop serving (after finishing what is in flight) and
-    /// give the queues back, their positions as the device left them.
-    fn reset(&mut self) -> Vec<ActiveQueue>;
-    /// Stop taking requests and complete those in flight (snapshot, migration).
-    fn pause(&mut self) -> Result<(), LifecycleError>;
-    /// Undo `pause`, re-checking every queue for work that arrived meanwhile.
-    fn resume(&mut self) -> Result<(), LifecycleError>;
+    /// give the queues back, their positions as the device left them. Default: stops the
+    /// device's [`Workers`].
+    fn reset(&mut self) -> Vec<ActiveQueue> {
+        self.workers_mut().map(Workers::stop).unwrap_or_default()
+    }
+    /// Stop taking requests and complete those in flight (snapshot, migration). Default:
+    /// pauses the device's [`Workers`].
+    fn pause(&mut self) -> Result<(), LifecycleError> {
+        self.workers_mut().map_or(Ok(()), Workers::pause)
+    }
+    /// Undo `pause`, re-checking every queue for work that arrived meanwhile. Default:
+    /// resumes the device's [`Workers`].
+    fn resume(&mut self) -> Result<(), LifecycleError> {
+        self.workers_mut().map_or(Ok(()), Workers::resume)
+    }
     /// Where the device is in each queue it serves (index, virtio-queue state), for the
     /// transport's `save`, which runs while the device is paused. `None`: the device
-    /// cannot tell, and an active device of this kind cannot be saved.
+    /// cannot tell, and an active device of this kind cannot be saved. Default: what the
+    /// device's [`Workers`] report, `None` without them.
     fn queue_states(&self) -> Option<Vec<(u16, virtio_queue::QueueState)>> {
-        None
+        self.workers().and_then(Workers::queue_states)
     }
     /// Migration hand-over, source side: the destination holds the final state, so let go
     /// of what it must take over (a disk image's lock). Called with the device paused.

@@ -10,7 +10,7 @@ use virtio_bindings::bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::bindings::virtio_ring::{
     VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
-use virtio_queue::{DescriptorChain, QueueState};
+use virtio_queue::DescriptorChain;
 use vm_memory::GuestMemory;
 
 use crate::worker::{QueueHandler, Workers};
@@ -140,20 +140,12 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Rng {
         )
     }
 
-    fn reset(&mut self) -> Vec<ActiveQueue> {
-        self.workers.stop()
+    fn workers(&self) -> Option<&Workers> {
+        Some(&self.workers)
     }
 
-    fn pause(&mut self) -> Result<(), LifecycleError> {
-        self.workers.pause()
-    }
-
-    fn resume(&mut self) -> Result<(), LifecycleError> {
-        self.workers.resume()
-    }
-
-    fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
-        self.workers.queue_states()
+    fn workers_mut(&mut self) -> Option<&mut Workers> {
+        Some(&mut self.workers)
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {

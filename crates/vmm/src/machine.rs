@@ -381,6 +381,7 @@ impl Machine {
             irqchip: irqchip.clone(),
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
+            vhost_net: config.nets.iter().any(|n| n.vhost),
             restored: Default::default(),
             snapshot_temp: Default::default(),
         });

@@ -135,6 +135,20 @@ impl pci::MsiTarget for VmMsiTarget {
             (_, None) => {}
         }
     }
+
+    fn irqfd(&self, vector: u16) -> Option<std::os::fd::OwnedFd> {
+        let vectors = self.vectors.read().unwrap_or_else(|e| e.into_inner());
+        let fd = vectors
+            .get(usize::from(vector))?
+            .irqfd
+            .as_ref()?
+            .event
+            .wake_fd();
+        // SAFETY: `fd` is the irqfd's eventfd, open while the read lock is held; the
+        // duplicate is a new descriptor the caller owns.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        borrowed.try_clone_to_owned().ok()
+    }
 }
 
 impl Drop for VmMsiTarget {

@@ -129,8 +129,9 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
     if config.rng {
         models.push(("virtio-rng", Box::new(Rng::new())));
     }
+    let kernel_queues = kernel_paths && ctx.caps.irqfd && ctx.caps.ioeventfd;
     for net in &config.nets {
-        models.push(("virtio-net", open_net(net)?));
+        models.push(("virtio-net", open_net(net, ctx.memory, kernel_queues)?));
     }
     if let Some(vsock) = &config.vsock {
         models.push(("virtio-vsock", open_vsock(vsock)?));
@@ -233,8 +234,13 @@ fn open_vsock(_vsock: &crate::config::VsockConfig) -> Result<Box<dyn VirtioDevic
     })
 }
 
-/// `--net`: a virtio-net device on its tap (Linux only).
-fn open_net(net: &crate::config::NetConfig) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
+/// `--net`: a virtio-net device on its tap (Linux only). `vhost=on` needs the kernel's
+/// irqfd and ioeventfd (`kernel_queues`) and `/dev/vhost-net`; without either it is refused.
+fn open_net(
+    net: &crate::config::NetConfig,
+    memory: &Arc<GuestMemory>,
+    kernel_queues: bool,
+) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
     let refuse = |reason: String| Error::Option {
         option: "--net",
         value: format!("tap={}", net.tap),
@@ -256,11 +262,26 @@ fn open_net(net: &crate::config::NetConfig) -> Result<Box<dyn VirtioDevice<Guest
             mac,
             queue_pairs: net.queues,
         };
-        let device = virtio::net::Net::new(options).map_err(|e| refuse(e.to_string()))?;
+        if net.vhost && !kernel_queues {
+            return Err(refuse(
+                "vhost=on: vhost-net needs the accelerator's irqfd and ioeventfd \
+                 (KVM, with FERROVM_KERNEL_EVENTFDS not off); use vhost=off"
+                    .into(),
+            ));
+        }
+        let mut device = virtio::net::Net::new(options).map_err(|e| refuse(e.to_string()))?;
+        if net.vhost {
+            let taps = device.tap_files().map_err(|e| refuse(e.to_string()))?;
+            let kernel = virtio::net::vhost::open_kernel(memory.clone(), taps)
+                .map_err(|e| refuse(format!("vhost=on: {e}")))?;
+            device.use_kernel_path(Box::new(kernel));
+            log::info!("virtio-net {}: queues served by vhost-net", net.tap);
+        }
         Ok(Box::new(device))
     }
     #[cfg(not(target_os = "linux"))]
     {
+        let _ = (memory, kernel_queues);
         Err(refuse("virtio-net needs a Linux tap device".into()))
     }
 }

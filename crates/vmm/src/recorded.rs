@@ -57,6 +57,9 @@ pub struct NetRecord {
     /// As given (the device's state carries the MAC the guest saw in any case).
     pub mac: Option<[u8; 6]>,
     pub queues: u16,
+    /// `vhost=on` (a host-side choice; records without it had none).
+    #[serde(default)]
+    pub vhost: bool,
 }
 
 /// The vsock device: `--vsock cid=N,socket=PATH`.
@@ -107,6 +110,7 @@ impl DeviceRecord {
                     tap: n.tap.clone(),
                     mac: n.mac,
                     queues: n.queues,
+                    vhost: n.vhost,
                 })
                 .collect(),
             vsock,
@@ -167,6 +171,7 @@ impl DeviceRecord {
                 tap: n.tap.clone(),
                 mac: n.mac,
                 queues: n.queues,
+                vhost: n.vhost,
             })
             .collect();
         config.vsock = self.vsock.as_ref().map(|v| VsockConfig {

@@ -58,6 +58,9 @@ pub struct Core {
     /// Whether the accelerator tracks dirty pages (upstream bhyve does not): without it only
     /// warm migration is possible.
     pub dirty_tracking: bool,
+    /// A net device's queues are the host kernel's (`vhost=on`): its writes to guest memory
+    /// (received frames, used rings) reach no dirty log, so only warm migration is possible.
+    pub vhost_net: bool,
     /// Set after a lazy restore: guest RAM is served from that snapshot file.
     pub restored: std::sync::OnceLock<Arc<LazyRestore>>,
     /// The temporary file of a snapshot being written, removed if the machine ends first.
@@ -313,6 +316,14 @@ impl MachineOps for Core {
         let addr = parse_tcp(&request.destination, "destination")?;
         self.check_can_save()
             .map_err(|e| Error::Migration(format!("{e} ({here})")))?;
+        if !request.warm && !paused && self.vhost_net {
+            return Err(Error::Migration(
+                "live migration with vhost-net (--net ...,vhost=on) is not supported: the \
+                 kernel's writes to guest memory are not tracked; use `migrate --warm` or a \
+                 snapshot"
+                    .into(),
+            ));
+        }
         if !request.warm && !paused && !self.dirty_tracking {
             return Err(Error::Migration(
                 "live migration needs dirty-page tracking, which this accelerator lacks; \

@@ -318,3 +318,27 @@ fn random_accesses_never_panic_and_keep_the_invariants() {
     let saved = m.save();
     m.restore(&saved).unwrap();
 }
+
+/// A target whose every vector has a kernel route: a pipe's read end stands for it.
+struct WithIrqfd(std::fs::File);
+
+impl MsiTarget for WithIrqfd {
+    fn update(&self, _: u16, _: Option<MsiMessage>) {}
+    fn fire(&self, _: u16) {}
+    fn irqfd(&self, _: u16) -> Option<std::os::fd::OwnedFd> {
+        self.0.try_clone().ok().map(Into::into)
+    }
+}
+
+#[test]
+fn the_kernel_route_is_handed_out_only_while_msix_is_enabled_and_in_the_table() {
+    let file = std::fs::File::open("/dev/null").unwrap();
+    let mut m = Msix::new(2, LOCATION, Arc::new(WithIrqfd(file))).unwrap();
+    assert!(m.irqfd(0).is_none(), "MSI-X disabled");
+    m.set_control(true, false);
+    assert!(m.irqfd(0).is_some());
+    assert!(m.irqfd(1).is_some());
+    assert!(m.irqfd(2).is_none(), "beyond the table");
+    let (plain, _) = msix(2);
+    assert!(plain.irqfd(0).is_none(), "a target without kernel routes");
+}

@@ -28,7 +28,6 @@ use virtio_bindings::bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::bindings::virtio_ring::{
     VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
-use virtio_queue::QueueState;
 use vm_memory::GuestMemory;
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{Immutable, IntoBytes, KnownLayout};
@@ -243,12 +242,12 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
         self.workers.stop()
     }
 
-    fn pause(&mut self) -> Result<(), LifecycleError> {
-        self.workers.pause()
+    fn workers(&self) -> Option<&Workers> {
+        Some(&self.workers)
     }
 
-    fn resume(&mut self) -> Result<(), LifecycleError> {
-        self.workers.resume()
+    fn workers_mut(&mut self) -> Option<&mut Workers> {
+        Some(&mut self.workers)
     }
 
     fn hand_over(&mut self) -> Result<(), LifecycleError> {
@@ -259,10 +258,6 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
 
     fn take_over(&mut self) -> Result<(), LifecycleError> {
         self.image.lock().map_err(|e| LifecycleError(e.to_string()))
-    }
-
-    fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
-        self.workers.queue_states()
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {

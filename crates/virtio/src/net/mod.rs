@@ -21,6 +21,7 @@ pub mod pair;
 pub mod tap;
 #[cfg(test)]
 mod tests;
+pub mod vhost;
 
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -124,6 +125,10 @@ pub struct Net {
     announce_pending: bool,
     /// Restored pairs in use, applied at the next activation instead of 1.
     restored_pairs: Option<u16>,
+    /// `vhost=on`: the kernel serves the queue pairs ([`vhost`]).
+    kernel: Option<Box<dyn vhost::KernelDataPath>>,
+    /// Between `pause` and `resume`.
+    paused: bool,
 }
 
 impl Net {
@@ -160,6 +165,8 @@ impl Net {
             interrupt: None,
             announce_pending: false,
             restored_pairs: None,
+            kernel: None,
+            paused: false,
         })
     }
 
@@ -268,6 +275,9 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
         if self.pairs() > 1 {
             features |= 1 << VIRTIO_NET_F_MQ;
         }
+        if let Some(kernel) = &self.kernel {
+            features &= !vhost::VHOST_FEATURES | kernel.features();
+        }
         if self.tap_offloads & TUN_F_CSUM != 0 {
             // The tap takes partial checksums and GSO frames from us whenever it has the
             // header; these the guest may send.
@@ -326,6 +336,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
                 _ => log::debug!("virtio-net: queue {} is not used", queue.index),
             }
         }
+        let by_pair = self.start_kernel_path(&mem, by_pair, interrupt.as_ref())?;
         for (pair, queues) in by_pair.into_iter().enumerate() {
             if !queues.is_empty() {
                 self.spawn_pair(pair as u16, mem.clone(), queues, interrupt.clone())?;
@@ -350,7 +361,8 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
     }
 
     fn reset(&mut self) -> Vec<ActiveQueue> {
-        let queues = self.workers.stop();
+        let mut queues = self.workers.stop();
+        queues.extend(self.kernel.as_mut().map(|k| k.stop()).unwrap_or_default());
         self.shared
             .status
             .store(VIRTIO_NET_S_LINK_UP as u16, Ordering::SeqCst);
@@ -360,10 +372,14 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
     }
 
     fn pause(&mut self) -> Result<(), LifecycleError> {
-        self.workers.pause()
+        self.paused = true;
+        self.workers.pause()?;
+        self.pause_kernel_path()
     }
 
     fn resume(&mut self) -> Result<(), LifecycleError> {
+        self.paused = false;
+        self.resume_kernel_path()?;
         self.workers.resume()?;
         if std::mem::take(&mut self.announce_pending) {
             self.announce();
@@ -372,7 +388,11 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
     }
 
     fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
-        self.workers.queue_states()
+        let mut states = self.workers.queue_states()?;
+        if let Some(kernel) = &self.kernel {
+            states.extend(kernel.queue_states());
+        }
+        Some(states)
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {

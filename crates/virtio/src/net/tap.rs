@@ -180,6 +180,11 @@ impl Tap {
         Ok(n as usize)
     }
 
+    /// A second descriptor of this queue (for vhost-net, which takes the tap as its backend).
+    pub fn try_clone_file(&self) -> io::Result<File> {
+        self.file.try_clone()
+    }
+
     /// The descriptor to poll for frames.
     pub fn poll_fd(&self) -> RawFd {
         self.file.as_raw_fd()

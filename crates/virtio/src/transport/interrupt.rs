@@ -260,4 +260,12 @@ impl Interrupt for VirtioInterrupt {
             self.signal_config();
         }
     }
+
+    fn queue_irqfd(&self, queue: u16) -> Option<std::os::fd::OwnedFd> {
+        let vector = self.queue_vector(queue);
+        if vector == NO_VECTOR {
+            return None;
+        }
+        self.lock().msix.irqfd(vector)
+    }
 }

@@ -22,7 +22,6 @@ use std::sync::Arc;
 
 use devices::{DeviceState, LifecycleError, StateError};
 use serde::{Deserialize, Serialize};
-use virtio_queue::QueueState;
 use vm_memory::GuestMemory;
 
 use crate::rng::COMMON_FEATURES;
@@ -152,20 +151,12 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Vsock {
         )
     }
 
-    fn reset(&mut self) -> Vec<ActiveQueue> {
-        self.workers.stop()
+    fn workers(&self) -> Option<&Workers> {
+        Some(&self.workers)
     }
 
-    fn pause(&mut self) -> Result<(), LifecycleError> {
-        self.workers.pause()
-    }
-
-    fn resume(&mut self) -> Result<(), LifecycleError> {
-        self.workers.resume()
-    }
-
-    fn queue_states(&self) -> Option<Vec<(u16, QueueState)>> {
-        self.workers.queue_states()
+    fn workers_mut(&mut self) -> Option<&mut Workers> {
+        Some(&mut self.workers)
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {

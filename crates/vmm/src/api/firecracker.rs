@@ -332,6 +332,7 @@ impl PreBoot {
                 tap: n.host_dev_name.clone(),
                 mac: n.guest_mac.as_deref().and_then(crate::config::parse_mac),
                 queues: 1,
+                vhost: false,
             })
             .collect();
         config.vsock = self.vsock.as_ref().map(|v| VsockConfig {
