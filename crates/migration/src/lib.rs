@@ -23,6 +23,7 @@ mod precopy;
 mod ram;
 mod receive;
 mod resident;
+mod senders;
 mod sink;
 mod stages;
 mod stream;
@@ -37,8 +38,9 @@ pub use image::{
 pub use lanes::{ParallelReceive, SpawnLane};
 pub use pages::is_zero;
 pub use precopy::{
-    migrate, migrate_parallel, snapshot, DirtySource, MigrationParams, MigrationReport, Phase,
-    Progress, RoundStats, SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
+    migrate, migrate_parallel, migrate_threaded, snapshot, DirtySource, MigrationParams,
+    MigrationReport, Phase, Progress, RoundStats, SnapshotReport, StopReason, VmControl,
+    THROTTLE_STEPS,
 };
 pub use ram::{FileBackedRam, GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
 pub use receive::{

@@ -72,6 +72,14 @@ pub(crate) struct Sent {
     pub bytes: u64,
 }
 
+impl Sent {
+    pub fn add(&mut self, other: &Sent) {
+        self.pages += other.pages;
+        self.zero_pages += other.zero_pages;
+        self.bytes += other.bytes;
+    }
+}
+
 /// Sends every page set in `set` as `Pages` / `ZeroPages` frames, page data by reference to
 /// the guest mapping. `live`: the guest runs (frames are flagged so torn pages are
 /// tolerated). `tick` is called now and then with the number of pages done so far. All
@@ -117,7 +125,8 @@ pub(crate) fn send_pages_striped<W: Write>(
             MAX_PAGES_PER_FRAME
         },
     };
-    let res = send_pages_inner(ws, layout, set, live, &mut stripe, tick);
+    let mut runs = set_runs(layout, set);
+    let res = send_pages_inner(ws, layout, &mut runs, live, &mut stripe, tick);
     // Whatever happened, no guest reference may stay queued past this point.
     let mut flushed = Ok(());
     for w in ws.iter_mut() {
@@ -147,10 +156,53 @@ struct Group {
     crcs: Vec<u32>,
 }
 
+/// The runs of `set`, region by region: (region, first page, count), inside the region.
+pub(crate) fn set_runs<'a>(
+    layout: &'a Layout,
+    set: &'a Bitmap,
+) -> impl Iterator<Item = (usize, u64, u64)> + 'a {
+    layout.regions.iter().enumerate().flat_map(move |(ri, r)| {
+        let npages = r.size / PAGE_SIZE;
+        set.runs(ri, u64::MAX).filter_map(move |(start, count)| {
+            let end = (start + count).min(npages);
+            (end > start).then_some((ri, start, end - start))
+        })
+    })
+}
+
+/// Sends the pages of `runs` (region, first page, count; each inside its region) on one
+/// connection, page data by reference, and flushes: no guest reference stays queued.
+pub(crate) fn send_runs<W: Write>(
+    w: &mut StreamWriter<W>,
+    layout: &Layout,
+    runs: &[(usize, u64, u64)],
+    live: bool,
+    compressor: Option<&mut Compressor>,
+) -> Result<Sent> {
+    let mut ws = [w];
+    let mut stripe = Stripe {
+        compressor,
+        sent: vec![Sent::default()],
+        total: Sent::default(),
+        next: 0,
+        max_pages: MAX_PAGES_PER_FRAME,
+    };
+    let mut it = runs.iter().copied();
+    let res = send_pages_inner(&mut ws, layout, &mut it, live, &mut stripe, &mut |_, _| {});
+    let [w] = ws;
+    let flushed = if res.is_ok() {
+        w.batch.flush_to(&mut w.out)
+    } else {
+        Ok(())
+    };
+    w.batch.clear();
+    res.and(flushed).map(|_| stripe.total)
+}
+
 fn send_pages_inner<W: Write>(
     ws: &mut [&mut StreamWriter<W>],
     layout: &Layout,
-    set: &Bitmap,
+    runs: &mut dyn Iterator<Item = (usize, u64, u64)>,
     live: bool,
     stripe: &mut Stripe<'_>,
     tick: &mut dyn FnMut(u64, &Sent),
@@ -166,53 +218,47 @@ fn send_pages_inner<W: Write>(
     };
     let mut inspect_time = std::time::Duration::ZERO;
     let zero_page_crc = page_crc(&[0u8; PAGE_USIZE]);
-    for (ri, r) in layout.regions.iter().enumerate() {
-        let npages = r.size / PAGE_SIZE;
-        for (start, count) in set.runs(ri, u64::MAX) {
-            let end = (start + count).min(npages);
-            for p in start..end {
-                let t = std::time::Instant::now();
-                let mut crc = inspect(layout.host_page(ri, p), &mut buf);
-                inspect_time += t.elapsed();
-                if crc.is_none()
-                    && stripe
-                        .compressor
-                        .as_ref()
-                        .is_some_and(|c| c.merges_zero_pages())
-                {
-                    crc = Some(zero_page_crc);
-                }
-                let zero = crc.is_none();
-                let full = if g.zero {
-                    g.count >= MAX_ZERO_RUN
-                } else {
-                    g.count >= stripe.max_pages
-                };
-                if g.count > 0
-                    && (g.zero != zero
-                        || g.region != ri
-                        || g.first + u64::from(g.count) != p
-                        || full)
-                {
-                    emit(ws, layout, &mut g, live, stripe)?;
-                }
-                if g.count == 0 {
-                    g.zero = zero;
-                    g.region = ri;
-                    g.first = p;
-                }
-                g.count += 1;
-                if let Some(c) = crc {
-                    g.crcs.push(c);
-                }
-                done += 1;
-                if done.is_multiple_of(4096) {
-                    tick(done, &stripe.total);
-                }
+    for (ri, start, count) in runs {
+        let end = start + count;
+        for p in start..end {
+            let t = std::time::Instant::now();
+            let mut crc = inspect(layout.host_page(ri, p), &mut buf);
+            inspect_time += t.elapsed();
+            if crc.is_none()
+                && stripe
+                    .compressor
+                    .as_ref()
+                    .is_some_and(|c| c.merges_zero_pages())
+            {
+                crc = Some(zero_page_crc);
             }
-            // Runs are maximal, so the group cannot continue past a gap.
-            emit(ws, layout, &mut g, live, stripe)?;
+            let zero = crc.is_none();
+            let full = if g.zero {
+                g.count >= MAX_ZERO_RUN
+            } else {
+                g.count >= stripe.max_pages
+            };
+            if g.count > 0
+                && (g.zero != zero || g.region != ri || g.first + u64::from(g.count) != p || full)
+            {
+                emit(ws, layout, &mut g, live, stripe)?;
+            }
+            if g.count == 0 {
+                g.zero = zero;
+                g.region = ri;
+                g.first = p;
+            }
+            g.count += 1;
+            if let Some(c) = crc {
+                g.crcs.push(c);
+            }
+            done += 1;
+            if done.is_multiple_of(4096) {
+                tick(done, &stripe.total);
+            }
         }
+        // Runs are maximal, so the group cannot continue past a gap.
+        emit(ws, layout, &mut g, live, stripe)?;
     }
     ws[0].inspect_time += inspect_time;
     tick(done, &stripe.total);
