@@ -626,9 +626,9 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         self.meter.round = index;
         let base = self.bytes_written();
         let meter = &mut self.meter;
-        let mut tick = |done, _: &Sent| {
+        let mut tick = |done, s: &Sent| {
             meter.emit(
-                base + done * PAGE_SIZE,
+                base + s.bytes,
                 found.saturating_sub(done) * PAGE_SIZE,
                 false,
             )

@@ -9,7 +9,7 @@
 //! returns, with success or error, so no thread reads guest memory after the RAM's borrow.
 
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -92,6 +92,8 @@ struct Running<W: Write> {
 struct Round<W: Write> {
     running: Vec<Running<W>>,
     stop: Arc<AtomicBool>,
+    /// Bytes the threads sent so far (for progress reports).
+    lane_bytes: Arc<AtomicU64>,
 }
 
 impl<W: Write> Drop for Round<W> {
@@ -112,6 +114,7 @@ fn lane_round<W: Write>(
     live: bool,
     work: Receiver<Vec<Run>>,
     stop: &AtomicBool,
+    bytes: &AtomicU64,
 ) -> Done<W> {
     let mut sent = Sent::default();
     let mut result = Ok(());
@@ -120,7 +123,10 @@ fn lane_round<W: Write>(
             break;
         }
         match send_runs(&mut m.kit.w, &m.layout, &runs, live, Some(&mut m.kit.comp)) {
-            Ok(s) => sent.add(&s),
+            Ok(s) => {
+                sent.add(&s);
+                bytes.fetch_add(s.bytes, Ordering::Relaxed);
+            }
             Err(e) => {
                 stop.store(true, Ordering::Relaxed);
                 result = Err(e);
@@ -150,6 +156,7 @@ impl<W: Write + Send + 'static> RoundSender<W> for Threads<'_> {
         let mut round = Round {
             running: Vec::new(),
             stop: Arc::new(AtomicBool::new(false)),
+            lane_bytes: Arc::new(AtomicU64::new(0)),
         };
         let started = self
             .start(&mut round, std::mem::take(lanes), layout, live)
@@ -231,9 +238,9 @@ impl Threads<'_> {
                 kit,
                 layout: layout.clone(),
             };
-            let stop = round.stop.clone();
+            let (stop, bytes) = (round.stop.clone(), round.lane_bytes.clone());
             let body = Box::new(move || {
-                let _ = done_tx.send(lane_round(moved, live, work_rx, &stop));
+                let _ = done_tx.send(lane_round(moved, live, work_rx, &stop, &bytes));
             });
             let thread = (self.spawn)(format!("migration-out-{}", i + 1), body)
                 .map_err(|e| Error::io("starting a data connection's sending thread", e))?;
@@ -278,7 +285,9 @@ fn hand_out<W: Write>(
                 return Err(HandOut::LaneGone(*turn));
             }
             done += pages;
-            tick(done, main_sent);
+            let mut so_far = *main_sent;
+            so_far.bytes += round.lane_bytes.load(Ordering::Relaxed);
+            tick(done, &so_far);
             *turn = (*turn + 1) % turns;
             Ok(())
         };
