@@ -190,12 +190,17 @@ pub(crate) fn send_runs<W: Write>(
     let mut it = runs.iter().copied();
     let res = send_pages_inner(&mut ws, layout, &mut it, live, &mut stripe, &mut |_, _| {});
     let [w] = ws;
+    let (bytes_before, time_before) = (w.out.bytes, w.out.write_time);
     let flushed = if res.is_ok() {
         w.batch.flush_to(&mut w.out)
     } else {
         Ok(())
     };
     w.batch.clear();
+    // The link's speed as this connection sees it, for the automatic compression choice.
+    if let Some(c) = stripe.compressor {
+        c.link(w.out.bytes - bytes_before, w.out.write_time - time_before);
+    }
     res.and(flushed).map(|_| stripe.total)
 }
 
@@ -223,7 +228,20 @@ fn send_pages_inner<W: Write>(
         for p in start..end {
             let t = std::time::Instant::now();
             let mut crc = inspect(layout.host_page(ri, p), &mut buf);
+            let same = match (crc, stripe.compressor.as_deref_mut()) {
+                (Some(c), Some(comp)) if ws.len() == 1 => comp
+                    .dedup
+                    .as_mut()
+                    .and_then(|d| d.earlier((ri, p), c, &buf, |(r, q)| layout.host_page(r, q))),
+                _ => None,
+            };
             inspect_time += t.elapsed();
+            if let (Some(from), Some(c)) = (same, crc) {
+                emit(ws, layout, &mut g, live, stripe)?;
+                send_same(ws, layout, (ri, p), from, c, live, stripe)?;
+                done += 1;
+                continue;
+            }
             if crc.is_none()
                 && stripe
                     .compressor
@@ -327,6 +345,31 @@ fn emit<W: Write>(
     }
     g.count = 0;
     g.crcs.clear();
+    Ok(())
+}
+
+/// Queues a `SamePage` frame: page `page` holds what `from` holds (sent earlier on this
+/// connection, the only one: markers are used with one connection per sender).
+fn send_same<W: Write>(
+    ws: &mut [&mut StreamWriter<W>],
+    layout: &Layout,
+    page: (usize, u64),
+    from: (usize, u64),
+    crc: u32,
+    live: bool,
+    stripe: &mut Stripe<'_>,
+) -> Result<()> {
+    let addr_of = |(r, p): (usize, u64)| layout.regions[r].guest_addr + p * PAGE_SIZE;
+    let bytes = ws[0].write_frame(&Frame::SamePage {
+        addr: addr_of(page),
+        from: addr_of(from),
+        crc,
+        live,
+    })?;
+    for s in [&mut stripe.sent[0], &mut stripe.total] {
+        s.pages += 1;
+        s.bytes += bytes;
+    }
     Ok(())
 }
 
@@ -625,6 +668,54 @@ impl PageApplier {
             let torn = bad.next_if(|&b| u64::from(b) == i).is_some();
             self.set_torn(t.region, t.first + i, torn);
         }
+    }
+
+    /// Applies a `SamePage` frame (read at byte `at`): copies the page at `from`, which this
+    /// stream must have sent with data, to `addr`, and checks the result against `crc`.
+    /// A copy from a page that arrived torn, or that does not match, is torn too in a live
+    /// round (the source sends it again) and an error otherwise.
+    pub fn apply_same(
+        &mut self,
+        addr: u64,
+        from: u64,
+        crc: u32,
+        live: bool,
+        at: u64,
+    ) -> Result<()> {
+        let (ri, p) = self.locate(addr, 1)?;
+        let (fi, fp) = self.locate(from, 1)?;
+        if !self.maybe_nonzero.get(fi, fp) || (ri, p) == (fi, fp) {
+            return Err(Error::Malformed {
+                kind: "SamePage",
+                offset: at,
+                reason: format!(
+                    "guest page {addr:#x} refers to guest page {from:#x}, which this stream \
+                     has not sent with data"
+                ),
+            });
+        }
+        let (src, dst) = (self.layout.host_page(fi, fp), self.layout.host_page(ri, p));
+        // SAFETY: both pages lie inside live, writable regions (checked by `locate`), they
+        // differ (checked above), the destination guest does not run, and the applier's
+        // lock is held; `from` was sent earlier on this connection in this round, or in an
+        // earlier round, so no other connection writes it now (each page once per round).
+        let page = unsafe {
+            std::ptr::copy_nonoverlapping(src, dst, PAGE_USIZE);
+            std::slice::from_raw_parts(dst.cast_const(), PAGE_USIZE)
+        };
+        let computed = page_crc(page);
+        let torn = self.torn.get(fi, fp) || computed != crc;
+        if torn && !live {
+            return Err(Error::Checksum {
+                what: format!("guest page {addr:#x} copied from {from:#x} by the SamePage frame"),
+                offset: at,
+                stored: crc,
+                computed,
+            });
+        }
+        self.maybe_nonzero.set(ri, p);
+        self.set_torn(ri, p, torn);
+        Ok(())
     }
 
     /// Zeroes the pages of a `ZeroPages` frame that may hold data.

@@ -29,6 +29,7 @@ use serde::{Serialize, Serializer};
 use crate::bitmap::Bitmap;
 use crate::compress::{Compression, Compressor};
 use crate::config::MigrationConfig;
+use crate::dedup::Refs;
 use crate::error::{Error, Result};
 use crate::lanes::SpawnLane;
 use crate::pages::{send_pages, send_pages_striped, Sent};
@@ -288,6 +289,8 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     max_throttle: u8,
     stages: SourceStages,
     compressor: Compressor,
+    /// Pages sent as `SamePage` markers, with the pages they were copied from.
+    same_refs: Refs,
 }
 
 /// Migrates a running VM: streams its memory in pre-copy rounds to `out`, pauses it, sends
@@ -475,6 +478,7 @@ where
         max_throttle: 0,
         stages: SourceStages::default(),
         compressor: Compressor::new(params.compression),
+        same_refs: Refs::default(),
     };
     match eng.run(config, dirty, vm) {
         Ok(report) => {
@@ -573,6 +577,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
     }
 
+    /// The compressors (and page-marker tables) of every connection.
+    fn compressors(&mut self) -> impl Iterator<Item = &mut Compressor> {
+        std::iter::once(&mut self.compressor).chain(self.lanes.iter_mut().map(|l| &mut l.comp))
+    }
+
     /// Bytes written on every connection.
     fn bytes_written(&self) -> u64 {
         self.w.bytes_written() + self.lanes.iter().map(|l| l.w.bytes_written()).sum::<u64>()
@@ -615,6 +624,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let t = Instant::now();
         let mut d = dirty.take_dirty()?;
         d.conform(&self.layout.page_counts()).map_err(Error::Vmm)?;
+        self.same_refs.follow(&mut d);
         self.stages.scan += t.elapsed();
         Ok(d)
     }
@@ -625,6 +635,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let t = Instant::now();
         self.meter.round = index;
         let base = self.bytes_written();
+        for c in self.compressors() {
+            if let Some(d) = c.dedup.as_mut() {
+                d.new_round();
+            }
+        }
         let meter = &mut self.meter;
         let mut tick = |done, s: &Sent| {
             meter.emit(
@@ -652,6 +667,13 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             }
         };
         let duration_us = t.elapsed().as_micros() as u64;
+        let mut refs = Refs::default();
+        for c in self.compressors() {
+            if let Some(d) = c.dedup.as_mut() {
+                refs.add(&mut d.refs);
+            }
+        }
+        self.same_refs.add(&mut refs.0);
         let mut sent = Sent::default();
         for (i, s) in per_lane.iter().enumerate() {
             sent.pages += s.pages;
