@@ -9,6 +9,7 @@
 //! copied from is (see [`Refs::follow`]).
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, DefaultHasher, Hasher};
 
 use vm_memory::VolatileSlice;
 
@@ -21,7 +22,7 @@ pub(crate) type PageAt = (usize, u64);
 
 /// Pages seen on one connection in the current round, by CRC-32.
 pub(crate) struct Dedup {
-    seen: HashMap<u32, PageAt>,
+    seen: HashMap<u32, PageAt, Keyed>,
     scratch: PageBuf,
     /// Markers sent: (page, the page it was copied from).
     pub refs: Vec<(PageAt, PageAt)>,
@@ -30,7 +31,7 @@ pub(crate) struct Dedup {
 impl Dedup {
     pub fn new() -> Self {
         Dedup {
-            seen: HashMap::new(),
+            seen: HashMap::with_hasher(Keyed::new()),
             scratch: PageBuf::new(),
             refs: Vec::new(),
         }
@@ -66,6 +67,31 @@ impl Dedup {
             self.refs.push((page, other));
             other
         })
+    }
+}
+
+/// SipHash with a key of its own: the CRCs are the guest's to choose, and std's
+/// `RandomState` asks the kernel for its keys (`getrandom`, which the migration threads'
+/// seccomp profile does not allow).
+struct Keyed(u64);
+
+impl Keyed {
+    fn new() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let here = &nanos as *const u64 as u64;
+        Keyed(nanos.rotate_left(17) ^ here ^ 0x243f_6a88_85a3_08d3)
+    }
+}
+
+impl BuildHasher for Keyed {
+    type Hasher = DefaultHasher;
+
+    fn build_hasher(&self) -> DefaultHasher {
+        let mut h = DefaultHasher::new();
+        h.write_u64(self.0);
+        h
     }
 }
 
