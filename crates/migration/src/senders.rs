@@ -177,26 +177,7 @@ impl<W: Write + Send + 'static> RoundSender<W> for Threads<'_> {
         if handed.is_err() {
             round.stop.store(true, Ordering::Relaxed);
         }
-        // Every thread's kit comes back (in connection order) before anything else.
-        let mut per_lane = vec![main_sent];
-        let mut lane_err = None;
-        for (i, r) in round.running.iter_mut().enumerate() {
-            r.work = None;
-            if let Some(t) = r.thread.take() {
-                let _ = t.join();
-            }
-            let err = match r.done.try_recv() {
-                Ok(d) => {
-                    lanes.push(d.kit);
-                    per_lane.push(d.sent);
-                    d.result.err()
-                }
-                Err(_) => Some(Error::Vmm("its sending thread failed".into())),
-            };
-            if let (None, Some(e)) = (&lane_err, err) {
-                lane_err = Some(Error::Vmm(format!("data connection {}: {e}", i + 1)));
-            }
-        }
+        let (per_lane, lane_err) = collect(&mut round, lanes, main_sent);
         match (handed, lane_err) {
             // A lane's own error says more than "its queue closed".
             (Err(HandOut::LaneGone(_)), Some(e)) | (Ok(()), Some(e)) => Err(e),
@@ -207,6 +188,36 @@ impl<W: Write + Send + 'static> RoundSender<W> for Threads<'_> {
             (Ok(()), None) => Ok(per_lane),
         }
     }
+}
+
+/// Joins the round's threads and takes their connections back (in connection order, before
+/// anything else happens); returns what went on each connection (`main_sent` first) and the
+/// first thread's error.
+fn collect<W: Write>(
+    round: &mut Round<W>,
+    lanes: &mut Vec<LaneKit<W>>,
+    main_sent: Sent,
+) -> (Vec<Sent>, Option<Error>) {
+    let mut per_lane = vec![main_sent];
+    let mut lane_err = None;
+    for (i, r) in round.running.iter_mut().enumerate() {
+        r.work = None;
+        if let Some(t) = r.thread.take() {
+            let _ = t.join();
+        }
+        let err = match r.done.try_recv() {
+            Ok(d) => {
+                lanes.push(d.kit);
+                per_lane.push(d.sent);
+                d.result.err()
+            }
+            Err(_) => Some(Error::Vmm("its sending thread failed".into())),
+        };
+        if let (None, Some(e)) = (&lane_err, err) {
+            lane_err = Some(Error::Vmm(format!("data connection {}: {e}", i + 1)));
+        }
+    }
+    (per_lane, lane_err)
 }
 
 /// Why handing out a round's pages stopped.
