@@ -8,9 +8,6 @@
 //! marker is remembered as a reference, and a page is sent again whenever the page it was
 //! copied from is (see [`Refs::follow`]).
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, DefaultHasher, Hasher};
-
 use vm_memory::VolatileSlice;
 
 use crate::bitmap::Bitmap;
@@ -20,9 +17,20 @@ use crate::ram::PAGE_USIZE;
 /// A guest page: region index and page number in the region.
 pub(crate) type PageAt = (usize, u64);
 
-/// Pages seen on one connection in the current round, by CRC-32.
+/// Slots of the table of pages seen (1 MiB per connection).
+const SLOTS_LOG2: u32 = 16;
+/// An empty slot (no region has this index).
+const EMPTY: u32 = u32::MAX;
+
+/// Pages seen on one connection in the current round, by CRC-32: a direct-mapped table (a
+/// page whose slot is taken replaces the one there), so that the cost per page is one
+/// multiplication and one memory access, with no allocation, whatever the guest writes; a
+/// guest can make it miss, never make it slow.
 pub(crate) struct Dedup {
-    seen: HashMap<u32, PageAt, Keyed>,
+    /// (CRC-32, region or `EMPTY`, page).
+    seen: Vec<(u32, u32, u64)>,
+    /// Odd multiplier of the slot hash, chosen per table (the CRCs are the guest's to choose).
+    key: u32,
     scratch: PageBuf,
     /// Markers sent: (page, the page it was copied from).
     pub refs: Vec<(PageAt, PageAt)>,
@@ -31,7 +39,8 @@ pub(crate) struct Dedup {
 impl Dedup {
     pub fn new() -> Self {
         Dedup {
-            seen: HashMap::with_hasher(Keyed::new()),
+            seen: vec![(0, EMPTY, 0); 1 << SLOTS_LOG2],
+            key: table_key(),
             scratch: PageBuf::new(),
             refs: Vec::new(),
         }
@@ -39,7 +48,11 @@ impl Dedup {
 
     /// Forgets the pages seen (a new round: a marker may only name a page of its round).
     pub fn new_round(&mut self) {
-        self.seen.clear();
+        self.seen.fill((0, EMPTY, 0));
+    }
+
+    fn slot(&self, crc: u32) -> usize {
+        (crc.wrapping_mul(self.key) >> (32 - SLOTS_LOG2)) as usize
     }
 
     /// The page sent earlier this round with the content `data` (CRC `crc`) of `page`, if
@@ -51,11 +64,12 @@ impl Dedup {
         data: &PageBuf,
         host: impl Fn(PageAt) -> *mut u8,
     ) -> Option<PageAt> {
-        let Some(&other) = self.seen.get(&crc) else {
-            self.seen.insert(crc, page);
-            return None;
-        };
-        if other == page {
+        let slot = self.slot(crc);
+        let (seen_crc, region, p) = self.seen[slot];
+        let other = (region as usize, p);
+        if region == EMPTY || seen_crc != crc || other == page {
+            // Regions are few (a u32 holds their index: `Layout` has at most a handful).
+            self.seen[slot] = (crc, page.0 as u32, page.1);
             return None;
         }
         // SAFETY: `other` is a page of the validated layout the caller sends from (a live
@@ -70,29 +84,12 @@ impl Dedup {
     }
 }
 
-/// SipHash with a key of its own: the CRCs are the guest's to choose, and std's
-/// `RandomState` asks the kernel for its keys (`getrandom`, which the migration threads'
-/// seccomp profile does not allow).
-struct Keyed(u64);
-
-impl Keyed {
-    fn new() -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        let here = &nanos as *const u64 as u64;
-        Keyed(nanos.rotate_left(17) ^ here ^ 0x243f_6a88_85a3_08d3)
-    }
-}
-
-impl BuildHasher for Keyed {
-    type Hasher = DefaultHasher;
-
-    fn build_hasher(&self) -> DefaultHasher {
-        let mut h = DefaultHasher::new();
-        h.write_u64(self.0);
-        h
-    }
+/// An odd multiplier for the slot hash, different for each table.
+fn table_key() -> u32 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    (nanos.wrapping_mul(0x9e37_79b9) ^ 0x85eb_ca6b) | 1
 }
 
 /// The markers of a whole migration, kept until their page is sent again.
