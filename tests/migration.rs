@@ -296,6 +296,71 @@ enum Fault {
     CutAfter(u64),
     /// Flip one bit of the byte at this offset of the source's stream.
     FlipByteAt(u64),
+    /// Cut the connection just before the first frame of a phase passes (the frames before
+    /// it pass whole): both ways, or only the source's stream (replies still flow back).
+    CutAtPhase(Phase, Ways),
+}
+
+/// A phase of a migration, as the relay recognizes it from the frames it forwards.
+#[derive(Clone, Copy, Debug)]
+enum Phase {
+    /// The `RoundEnd` of live round n (on any connection: each ends every round).
+    RoundEnd(u32),
+    /// The stop-and-copy: the final round's `RoundEnd` (the guest is paused by then).
+    FinalRound,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Ways {
+    Both,
+    /// Source to destination only.
+    StreamOnly,
+}
+
+/// Follows the frames of a stream as it passes (20-byte header, then frames of
+/// 8 + length + 4 bytes): where the next frame starts, and whether it opens `phase`.
+struct FrameWatch {
+    next: u64,
+    held: Vec<u8>,
+}
+
+impl FrameWatch {
+    /// Feeds bytes that start at stream offset `at`; returns the stream offset of the
+    /// frame that opens `phase`, once it is seen.
+    fn feed(&mut self, at: u64, bytes: &[u8], phase: Phase) -> Option<u64> {
+        let mut pos = at;
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            if pos < self.next {
+                let skip = ((self.next - pos) as usize).min(rest.len());
+                pos += skip as u64;
+                rest = &rest[skip..];
+                continue;
+            }
+            let take = (16 - self.held.len()).min(rest.len());
+            self.held.extend_from_slice(&rest[..take]);
+            pos += take as u64;
+            rest = &rest[take..];
+            if self.held.len() < 16 {
+                break;
+            }
+            let h = std::mem::take(&mut self.held);
+            let (kind, len) = (h[0], u32::from_le_bytes(h[4..8].try_into().unwrap()));
+            let round = u32::from_le_bytes(h[8..12].try_into().unwrap());
+            let final_round = h[12] & 1 == 1;
+            let hit = kind == 4
+                && match phase {
+                    Phase::RoundEnd(n) => !final_round && round == n,
+                    Phase::FinalRound => final_round,
+                };
+            if hit {
+                return Some(self.next);
+            }
+            // Every stream frame is at least 16 bytes: the look-ahead stays inside it.
+            self.next += 12 + u64::from(len);
+        }
+        None
+    }
 }
 
 /// Pipes one connection to the destination both ways, untouched.
@@ -341,12 +406,30 @@ fn relay_nth(fault: Fault, nth: usize, to: u16) -> u16 {
         });
         let mut offset = 0u64;
         let mut buf = vec![0u8; 64 * 1024];
+        let mut watch = FrameWatch {
+            next: 20,
+            held: Vec::new(),
+        };
         loop {
             let n = match src_r.read(&mut buf) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
             let chunk = &mut buf[..n];
+            if let Fault::CutAtPhase(phase, ways) = fault {
+                if let Some(at) = watch.feed(offset, chunk, phase) {
+                    let keep = at.saturating_sub(offset) as usize;
+                    let _ = dst_w.write_all(&chunk[..keep.min(n)]);
+                    let _ = dst_w.shutdown(Shutdown::Write);
+                    if ways == Ways::Both {
+                        let _ = dst_w.shutdown(Shutdown::Both);
+                        let _ = src_r.shutdown(Shutdown::Both);
+                    }
+                    // The source's further bytes go nowhere.
+                    while matches!(src_r.read(&mut buf), Ok(n) if n > 0) {}
+                    return;
+                }
+            }
             match fault {
                 Fault::CutAfter(limit) if offset + n as u64 >= limit => {
                     let keep = (limit - offset) as usize;
@@ -394,7 +477,7 @@ fn failed_migration_over(
     fault: Option<(Fault, usize)>,
     kill_dest_after: Option<Duration>,
     options: &[&str],
-) {
+) -> Vm {
     let dir = scratch(name);
     let port = free_port();
     let listen = format!("tcp:127.0.0.1:{port}");
@@ -434,6 +517,7 @@ fn failed_migration_over(
         let (status, err) = source.wait(Duration::from_secs(5));
         panic!("the source VMM exited ({status:?}): {err}");
     }
+    eprintln!("{name}: source: {}", run.stderr.trim());
     if !run.stderr.contains("keeps running") {
         let _ = source.child.kill();
         let (_, err) = source.wait(Duration::from_secs(5));
@@ -456,7 +540,7 @@ fn failed_migration_over(
     );
     assert_intact(&source.output());
     source.ctl(&["shutdown"]).expect_status(0);
-    drop(dest);
+    dest
 }
 
 #[test]
@@ -528,6 +612,107 @@ fn compressed_stream_cut_mid_stream() {
         Some((Fault::CutAfter(4 << 10), 0)),
         None,
         &["--connections", "1", "--compress", "lz4"],
+    );
+}
+
+/// A connection cut at a phase of the migration (`CutAtPhase`) on connection `nth`: the
+/// source guest runs on intact, and the destination exits with one line saying why.
+fn cut_in_phase(name: &str, phase: Phase, ways: Ways, nth: usize, options: &[&str]) {
+    let fault = Fault::CutAtPhase(phase, ways);
+    let mut dest = failed_migration_over(name, "256M", Some((fault, nth)), None, options);
+    let (status, err) = dest.wait(Duration::from_secs(30));
+    assert_ne!(status, Some(0), "the destination must fail: {err}");
+    eprintln!("{name}: destination: {}", err.trim());
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("ferrovm:")).collect();
+    assert_eq!(errors.len(), 1, "one line says why: {err}");
+    assert!(errors[0].starts_with("ferrovm: migration: "), "{err}");
+}
+
+#[test]
+fn cut_in_round_0() {
+    cut_in_phase(
+        "p0-one",
+        Phase::RoundEnd(0),
+        Ways::Both,
+        0,
+        &["--connections", "1"],
+    );
+    cut_in_phase(
+        "p0-data",
+        Phase::RoundEnd(0),
+        Ways::Both,
+        2,
+        &["--connections", "3"],
+    );
+    cut_in_phase(
+        "p0-zstd",
+        Phase::RoundEnd(0),
+        Ways::Both,
+        0,
+        &["--connections", "2", "--compress", "zstd"],
+    );
+}
+
+#[test]
+fn cut_in_a_later_round() {
+    cut_in_phase(
+        "p1-one",
+        Phase::RoundEnd(1),
+        Ways::Both,
+        0,
+        &["--connections", "1"],
+    );
+    cut_in_phase(
+        "p1-data",
+        Phase::RoundEnd(1),
+        Ways::Both,
+        1,
+        &["--connections", "3"],
+    );
+    cut_in_phase(
+        "p1-lz4",
+        Phase::RoundEnd(1),
+        Ways::Both,
+        1,
+        &["--connections", "2", "--compress", "lz4"],
+    );
+}
+
+/// In the stop-and-copy (the guest paused, its state on the way): a data connection cut
+/// both ways, or the control connection's stream cut (the destination's refusal still
+/// reaches the source, which resumes). A control connection cut both ways at this point
+/// leaves the outcome unknown to the source, which then keeps its guest paused (it might
+/// run on the destination: `a_missing_ack_leaves_the_source_paused_with_an_unknown_outcome`
+/// in the engine's tests).
+#[test]
+fn cut_in_the_stop_and_copy() {
+    cut_in_phase(
+        "pf-one",
+        Phase::FinalRound,
+        Ways::StreamOnly,
+        0,
+        &["--connections", "1"],
+    );
+    cut_in_phase(
+        "pf-data",
+        Phase::FinalRound,
+        Ways::Both,
+        2,
+        &["--connections", "3"],
+    );
+    cut_in_phase(
+        "pf-ctl",
+        Phase::FinalRound,
+        Ways::StreamOnly,
+        0,
+        &["--connections", "3"],
+    );
+    cut_in_phase(
+        "pf-zstd",
+        Phase::FinalRound,
+        Ways::Both,
+        1,
+        &["--connections", "2", "--compress", "zstd"],
     );
 }
 

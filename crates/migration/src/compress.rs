@@ -127,6 +127,9 @@ pub(crate) struct Compressor {
     pub compressed_raw: u64,
     pub compressed_bytes: u64,
     pub time: Duration,
+    /// Repeated pages as `SamePage` markers (off with `--compress none`, the stream an
+    /// earlier build reads).
+    pub dedup: Option<crate::dedup::Dedup>,
 }
 
 /// Raw bytes sent uncompressed before the automatic choice trusts its link measurement.
@@ -150,6 +153,7 @@ impl Compressor {
             compressed_raw: 0,
             compressed_bytes: 0,
             time: Duration::ZERO,
+            dedup: (mode != Compression::None).then(crate::dedup::Dedup::new),
         }
     }
 

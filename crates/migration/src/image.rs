@@ -300,6 +300,7 @@ fn frame_name(f: &Frame) -> &'static str {
         Frame::Connections { .. } => "Connections",
         Frame::Join { .. } => "Join",
         Frame::CompressedPages(_) => "CompressedPages",
+        Frame::SamePage { .. } => "SamePage",
     }
 }
 

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::pages::{apply_compressed, apply_pages_shared, compressed_frame_len, PageApplier};
 use crate::ram::RamRange;
-use crate::stream::{pages_frame_len, Frame, StreamReader, ZERO_PAGES_FRAME_LEN};
+use crate::stream::{
+    pages_frame_len, Frame, StreamReader, SAME_PAGE_FRAME_LEN, ZERO_PAGES_FRAME_LEN,
+};
 
 /// Starts a thread for a lane (the VMM passes its sandboxed spawner, `Role::Migration`).
 pub type SpawnLane<'a> =
@@ -275,6 +277,16 @@ fn run_lane(
                 apply_compressed(applier, &c, at)?;
                 round.pages += c.crcs.len() as u64;
                 round.bytes += compressed_frame_len(&c);
+            }
+            Frame::SamePage {
+                addr,
+                from,
+                crc,
+                live,
+            } => {
+                lock(applier)?.apply_same(addr, from, crc, live, at)?;
+                round.pages += 1;
+                round.bytes += SAME_PAGE_FRAME_LEN;
             }
             Frame::ZeroPages { addr, count } => {
                 lock(applier)?.apply_zero(addr, count)?;

@@ -15,6 +15,7 @@
 mod bitmap;
 mod compress;
 mod config;
+mod dedup;
 mod error;
 mod image;
 mod lanes;
@@ -23,6 +24,7 @@ mod precopy;
 mod ram;
 mod receive;
 mod resident;
+mod senders;
 mod sink;
 mod stages;
 mod stream;
@@ -37,8 +39,9 @@ pub use image::{
 pub use lanes::{ParallelReceive, SpawnLane};
 pub use pages::is_zero;
 pub use precopy::{
-    migrate, migrate_parallel, snapshot, DirtySource, MigrationParams, MigrationReport, Phase,
-    Progress, RoundStats, SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
+    migrate, migrate_parallel, migrate_threaded, snapshot, DirtySource, MigrationParams,
+    MigrationReport, Phase, Progress, RoundStats, SnapshotReport, StopReason, VmControl,
+    THROTTLE_STEPS,
 };
 pub use ram::{FileBackedRam, GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
 pub use receive::{
@@ -52,5 +55,6 @@ pub use stream::{
     Header, Kind, PagesHeader, RegionImage, RoundEndInfo, StreamReader, StreamWriter, FLAG_LIVE,
     FORMAT_VERSION, FRAME_HEADER_LEN, FRAME_TRAILER_LEN, HEADER_LEN, MAGIC, MAX_COMPRESSED_PAGES,
     MAX_DATA_CONNECTIONS, MAX_DATA_PAGES_PER_FRAME, MAX_FRAME_PAYLOAD, MAX_IMAGE_REGIONS,
-    MAX_PAGES_PER_FRAME, MAX_STATE_TOTAL, PAGES_FIXED_LEN, SNAPSHOT_VERSION, ZERO_PAGES_FRAME_LEN,
+    MAX_PAGES_PER_FRAME, MAX_STATE_TOTAL, PAGES_FIXED_LEN, SAME_PAGE_FRAME_LEN, SNAPSHOT_VERSION,
+    ZERO_PAGES_FRAME_LEN,
 };

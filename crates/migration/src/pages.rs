@@ -72,6 +72,14 @@ pub(crate) struct Sent {
     pub bytes: u64,
 }
 
+impl Sent {
+    pub fn add(&mut self, other: &Sent) {
+        self.pages += other.pages;
+        self.zero_pages += other.zero_pages;
+        self.bytes += other.bytes;
+    }
+}
+
 /// Sends every page set in `set` as `Pages` / `ZeroPages` frames, page data by reference to
 /// the guest mapping. `live`: the guest runs (frames are flagged so torn pages are
 /// tolerated). `tick` is called now and then with the number of pages done so far. All
@@ -117,7 +125,8 @@ pub(crate) fn send_pages_striped<W: Write>(
             MAX_PAGES_PER_FRAME
         },
     };
-    let res = send_pages_inner(ws, layout, set, live, &mut stripe, tick);
+    let mut runs = set_runs(layout, set);
+    let res = send_pages_inner(ws, layout, &mut runs, live, &mut stripe, tick);
     // Whatever happened, no guest reference may stay queued past this point.
     let mut flushed = Ok(());
     for w in ws.iter_mut() {
@@ -147,10 +156,58 @@ struct Group {
     crcs: Vec<u32>,
 }
 
+/// The runs of `set`, region by region: (region, first page, count), inside the region.
+pub(crate) fn set_runs<'a>(
+    layout: &'a Layout,
+    set: &'a Bitmap,
+) -> impl Iterator<Item = (usize, u64, u64)> + 'a {
+    layout.regions.iter().enumerate().flat_map(move |(ri, r)| {
+        let npages = r.size / PAGE_SIZE;
+        set.runs(ri, u64::MAX).filter_map(move |(start, count)| {
+            let end = (start + count).min(npages);
+            (end > start).then_some((ri, start, end - start))
+        })
+    })
+}
+
+/// Sends the pages of `runs` (region, first page, count; each inside its region) on one
+/// connection, page data by reference, and flushes: no guest reference stays queued.
+pub(crate) fn send_runs<W: Write>(
+    w: &mut StreamWriter<W>,
+    layout: &Layout,
+    runs: &[(usize, u64, u64)],
+    live: bool,
+    compressor: Option<&mut Compressor>,
+) -> Result<Sent> {
+    let mut ws = [w];
+    let mut stripe = Stripe {
+        compressor,
+        sent: vec![Sent::default()],
+        total: Sent::default(),
+        next: 0,
+        max_pages: MAX_PAGES_PER_FRAME,
+    };
+    let mut it = runs.iter().copied();
+    let res = send_pages_inner(&mut ws, layout, &mut it, live, &mut stripe, &mut |_, _| {});
+    let [w] = ws;
+    let (bytes_before, time_before) = (w.out.bytes, w.out.write_time);
+    let flushed = if res.is_ok() {
+        w.batch.flush_to(&mut w.out)
+    } else {
+        Ok(())
+    };
+    w.batch.clear();
+    // The link's speed as this connection sees it, for the automatic compression choice.
+    if let Some(c) = stripe.compressor {
+        c.link(w.out.bytes - bytes_before, w.out.write_time - time_before);
+    }
+    res.and(flushed).map(|_| stripe.total)
+}
+
 fn send_pages_inner<W: Write>(
     ws: &mut [&mut StreamWriter<W>],
     layout: &Layout,
-    set: &Bitmap,
+    runs: &mut dyn Iterator<Item = (usize, u64, u64)>,
     live: bool,
     stripe: &mut Stripe<'_>,
     tick: &mut dyn FnMut(u64, &Sent),
@@ -166,53 +223,60 @@ fn send_pages_inner<W: Write>(
     };
     let mut inspect_time = std::time::Duration::ZERO;
     let zero_page_crc = page_crc(&[0u8; PAGE_USIZE]);
-    for (ri, r) in layout.regions.iter().enumerate() {
-        let npages = r.size / PAGE_SIZE;
-        for (start, count) in set.runs(ri, u64::MAX) {
-            let end = (start + count).min(npages);
-            for p in start..end {
-                let t = std::time::Instant::now();
-                let mut crc = inspect(layout.host_page(ri, p), &mut buf);
-                inspect_time += t.elapsed();
-                if crc.is_none()
-                    && stripe
-                        .compressor
-                        .as_ref()
-                        .is_some_and(|c| c.merges_zero_pages())
-                {
-                    crc = Some(zero_page_crc);
-                }
-                let zero = crc.is_none();
-                let full = if g.zero {
-                    g.count >= MAX_ZERO_RUN
-                } else {
-                    g.count >= stripe.max_pages
-                };
-                if g.count > 0
-                    && (g.zero != zero
-                        || g.region != ri
-                        || g.first + u64::from(g.count) != p
-                        || full)
-                {
-                    emit(ws, layout, &mut g, live, stripe)?;
-                }
-                if g.count == 0 {
-                    g.zero = zero;
-                    g.region = ri;
-                    g.first = p;
-                }
-                g.count += 1;
-                if let Some(c) = crc {
-                    g.crcs.push(c);
-                }
+    for (ri, start, count) in runs {
+        let end = start + count;
+        for p in start..end {
+            let t = std::time::Instant::now();
+            let mut crc = inspect(layout.host_page(ri, p), &mut buf);
+            let same = match (crc, stripe.compressor.as_deref_mut()) {
+                (Some(c), Some(comp)) if ws.len() == 1 => comp
+                    .dedup
+                    .as_mut()
+                    .and_then(|d| d.earlier((ri, p), c, &buf, |(r, q)| layout.host_page(r, q))),
+                _ => None,
+            };
+            inspect_time += t.elapsed();
+            if let (Some(from), Some(c)) = (same, crc) {
+                emit(ws, layout, &mut g, live, stripe)?;
+                send_same(ws, layout, (ri, p), from, c, live, stripe)?;
                 done += 1;
-                if done.is_multiple_of(4096) {
-                    tick(done, &stripe.total);
-                }
+                continue;
             }
-            // Runs are maximal, so the group cannot continue past a gap.
-            emit(ws, layout, &mut g, live, stripe)?;
+            if crc.is_none()
+                && stripe
+                    .compressor
+                    .as_ref()
+                    .is_some_and(|c| c.merges_zero_pages())
+            {
+                crc = Some(zero_page_crc);
+            }
+            let zero = crc.is_none();
+            let full = if g.zero {
+                g.count >= MAX_ZERO_RUN
+            } else {
+                g.count >= stripe.max_pages
+            };
+            if g.count > 0
+                && (g.zero != zero || g.region != ri || g.first + u64::from(g.count) != p || full)
+            {
+                emit(ws, layout, &mut g, live, stripe)?;
+            }
+            if g.count == 0 {
+                g.zero = zero;
+                g.region = ri;
+                g.first = p;
+            }
+            g.count += 1;
+            if let Some(c) = crc {
+                g.crcs.push(c);
+            }
+            done += 1;
+            if done.is_multiple_of(4096) {
+                tick(done, &stripe.total);
+            }
         }
+        // Runs are maximal, so the group cannot continue past a gap.
+        emit(ws, layout, &mut g, live, stripe)?;
     }
     ws[0].inspect_time += inspect_time;
     tick(done, &stripe.total);
@@ -281,6 +345,31 @@ fn emit<W: Write>(
     }
     g.count = 0;
     g.crcs.clear();
+    Ok(())
+}
+
+/// Queues a `SamePage` frame: page `page` holds what `from` holds (sent earlier on this
+/// connection, the only one: markers are used with one connection per sender).
+fn send_same<W: Write>(
+    ws: &mut [&mut StreamWriter<W>],
+    layout: &Layout,
+    page: (usize, u64),
+    from: (usize, u64),
+    crc: u32,
+    live: bool,
+    stripe: &mut Stripe<'_>,
+) -> Result<()> {
+    let addr_of = |(r, p): (usize, u64)| layout.regions[r].guest_addr + p * PAGE_SIZE;
+    let bytes = ws[0].write_frame(&Frame::SamePage {
+        addr: addr_of(page),
+        from: addr_of(from),
+        crc,
+        live,
+    })?;
+    for s in [&mut stripe.sent[0], &mut stripe.total] {
+        s.pages += 1;
+        s.bytes += bytes;
+    }
     Ok(())
 }
 
@@ -579,6 +668,54 @@ impl PageApplier {
             let torn = bad.next_if(|&b| u64::from(b) == i).is_some();
             self.set_torn(t.region, t.first + i, torn);
         }
+    }
+
+    /// Applies a `SamePage` frame (read at byte `at`): copies the page at `from`, which this
+    /// stream must have sent with data, to `addr`, and checks the result against `crc`.
+    /// A copy from a page that arrived torn, or that does not match, is torn too in a live
+    /// round (the source sends it again) and an error otherwise.
+    pub fn apply_same(
+        &mut self,
+        addr: u64,
+        from: u64,
+        crc: u32,
+        live: bool,
+        at: u64,
+    ) -> Result<()> {
+        let (ri, p) = self.locate(addr, 1)?;
+        let (fi, fp) = self.locate(from, 1)?;
+        if !self.maybe_nonzero.get(fi, fp) || (ri, p) == (fi, fp) {
+            return Err(Error::Malformed {
+                kind: "SamePage",
+                offset: at,
+                reason: format!(
+                    "guest page {addr:#x} refers to guest page {from:#x}, which this stream \
+                     has not sent with data"
+                ),
+            });
+        }
+        let (src, dst) = (self.layout.host_page(fi, fp), self.layout.host_page(ri, p));
+        // SAFETY: both pages lie inside live, writable regions (checked by `locate`), they
+        // differ (checked above), the destination guest does not run, and the applier's
+        // lock is held; `from` was sent earlier on this connection in this round, or in an
+        // earlier round, so no other connection writes it now (each page once per round).
+        let page = unsafe {
+            std::ptr::copy_nonoverlapping(src, dst, PAGE_USIZE);
+            std::slice::from_raw_parts(dst.cast_const(), PAGE_USIZE)
+        };
+        let computed = page_crc(page);
+        let torn = self.torn.get(fi, fp) || computed != crc;
+        if torn && !live {
+            return Err(Error::Checksum {
+                what: format!("guest page {addr:#x} copied from {from:#x} by the SamePage frame"),
+                offset: at,
+                stored: crc,
+                computed,
+            });
+        }
+        self.maybe_nonzero.set(ri, p);
+        self.set_torn(ri, p, torn);
+        Ok(())
     }
 
     /// Zeroes the pages of a `ZeroPages` frame that may hold data.

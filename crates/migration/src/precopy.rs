@@ -29,10 +29,13 @@ use serde::{Serialize, Serializer};
 use crate::bitmap::Bitmap;
 use crate::compress::{Compression, Compressor};
 use crate::config::MigrationConfig;
+use crate::dedup::Refs;
 use crate::error::{Error, Result};
+use crate::lanes::SpawnLane;
 use crate::pages::{send_pages, send_pages_striped, Sent};
 use crate::ram::{GuestRam, Layout, PAGE_SIZE};
 use crate::resident::{prefetch_swapped, touched_in, ResidencyMethod};
+use crate::senders::{LaneKit, RoundSender, Threads};
 use crate::stages::SourceStages;
 use crate::stream::{
     read_reply, wait_reply, EndInfo, Frame, RoundEndInfo, StreamWriter, MAX_STATE_TOTAL,
@@ -266,7 +269,9 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     file_pages: Option<Bitmap>,
     w: StreamWriter<W>,
     /// Data connections: pages are striped over `w` and these.
-    lanes: Vec<StreamWriter<W>>,
+    lanes: Vec<LaneKit<W>>,
+    /// Sending threads for the data connections (else this thread writes them all).
+    threads: Option<&'a dyn RoundSender<W>>,
     ack: R,
     params: &'a MigrationParams,
     meter: Meter<P>,
@@ -284,6 +289,8 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     max_throttle: u8,
     stages: SourceStages,
     compressor: Compressor,
+    /// Pages sent as `SamePage` markers, with the pages they were copied from.
+    same_refs: Refs,
 }
 
 /// Migrates a running VM: streams its memory in pre-copy rounds to `out`, pauses it, sends
@@ -355,6 +362,73 @@ where
     R: Read,
     P: FnMut(&Progress),
 {
+    run_migration(
+        ram, config, dirty, vm, out, data, ack_in, params, progress, None,
+    )
+}
+
+/// [`migrate_parallel`] with a sending thread per data connection, started with `spawn` (the
+/// VMM passes its sandboxed spawner): each thread does the zero check, CRC-32, compression
+/// and writes of its share of the pages, while this thread sends its own share on `out`
+/// and keeps the order of the migration. Any thread's failure fails the migration, with the
+/// guaranties of [`migrate`].
+#[allow(clippy::too_many_arguments)]
+pub fn migrate_threaded<G, D, V, W, R, P>(
+    ram: &G,
+    config: &MigrationConfig,
+    dirty: &mut D,
+    vm: &mut V,
+    out: W,
+    data: Vec<W>,
+    ack_in: R,
+    params: &MigrationParams,
+    progress: P,
+    spawn: SpawnLane<'_>,
+) -> Result<MigrationReport>
+where
+    G: GuestRam + ?Sized,
+    D: DirtySource + ?Sized,
+    V: VmControl + ?Sized,
+    W: Write + Send + 'static,
+    R: Read,
+    P: FnMut(&Progress),
+{
+    let threads = Threads { spawn };
+    run_migration(
+        ram,
+        config,
+        dirty,
+        vm,
+        out,
+        data,
+        ack_in,
+        params,
+        progress,
+        Some(&threads),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_migration<G, D, V, W, R, P>(
+    ram: &G,
+    config: &MigrationConfig,
+    dirty: &mut D,
+    vm: &mut V,
+    out: W,
+    data: Vec<W>,
+    ack_in: R,
+    params: &MigrationParams,
+    progress: P,
+    threads: Option<&dyn RoundSender<W>>,
+) -> Result<MigrationReport>
+where
+    G: GuestRam + ?Sized,
+    D: DirtySource + ?Sized,
+    V: VmControl + ?Sized,
+    W: Write,
+    R: Read,
+    P: FnMut(&Progress),
+{
     params.validate()?;
     if data.len() > crate::stream::MAX_DATA_CONNECTIONS as usize {
         return Err(Error::Param(format!(
@@ -375,8 +449,12 @@ where
         w: StreamWriter::with_max_bandwidth(out, share),
         lanes: data
             .into_iter()
-            .map(|d| StreamWriter::with_max_bandwidth(d, share))
+            .map(|d| LaneKit {
+                w: StreamWriter::with_max_bandwidth(d, share),
+                comp: Compressor::new(params.compression),
+            })
             .collect(),
+        threads,
         ack: ack_in,
         params,
         meter: Meter {
@@ -400,6 +478,7 @@ where
         max_throttle: 0,
         stages: SourceStages::default(),
         compressor: Compressor::new(params.compression),
+        same_refs: Refs::default(),
     };
     match eng.run(config, dirty, vm) {
         Ok(report) => {
@@ -498,9 +577,14 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
     }
 
+    /// The compressors (and page-marker tables) of every connection.
+    fn compressors(&mut self) -> impl Iterator<Item = &mut Compressor> {
+        std::iter::once(&mut self.compressor).chain(self.lanes.iter_mut().map(|l| &mut l.comp))
+    }
+
     /// Bytes written on every connection.
     fn bytes_written(&self) -> u64 {
-        self.w.bytes_written() + self.lanes.iter().map(|l| l.bytes_written()).sum::<u64>()
+        self.w.bytes_written() + self.lanes.iter().map(|l| l.w.bytes_written()).sum::<u64>()
     }
 
     /// Opens the data connections: each starts with the header and its `Join`; the control
@@ -511,12 +595,12 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
         let token = lane_token();
         for (i, lane) in self.lanes.iter_mut().enumerate() {
-            lane.write_header()?;
-            lane.write_frame(&Frame::Join {
-                token,
-                index: i as u32 + 1,
-            })?;
-            lane.flush()?;
+            let index = i as u32 + 1;
+            lane.w
+                .write_header()
+                .and_then(|_| lane.w.write_frame(&Frame::Join { token, index }))
+                .and_then(|_| lane.w.flush())
+                .map_err(|e| Error::Vmm(format!("data connection {index}: {e}")))?;
         }
         self.w.write_frame(&Frame::Connections {
             count: self.lanes.len() as u32,
@@ -540,6 +624,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let t = Instant::now();
         let mut d = dirty.take_dirty()?;
         d.conform(&self.layout.page_counts()).map_err(Error::Vmm)?;
+        self.same_refs.follow(&mut d);
         self.stages.scan += t.elapsed();
         Ok(d)
     }
@@ -550,25 +635,45 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let t = Instant::now();
         self.meter.round = index;
         let base = self.bytes_written();
+        for c in self.compressors() {
+            if let Some(d) = c.dedup.as_mut() {
+                d.new_round();
+            }
+        }
         let meter = &mut self.meter;
-        let mut ws: Vec<&mut StreamWriter<W>> = std::iter::once(&mut self.w)
-            .chain(self.lanes.iter_mut())
-            .collect();
-        let per_lane = send_pages_striped(
-            &mut ws,
-            &self.layout,
-            set,
-            live,
-            Some(&mut self.compressor),
-            &mut |done, s: &Sent| {
-                meter.emit(
-                    base + s.bytes,
-                    found.saturating_sub(done) * PAGE_SIZE,
-                    false,
-                )
-            },
-        )?;
+        let mut tick = |done, s: &Sent| {
+            meter.emit(
+                base + s.bytes,
+                found.saturating_sub(done) * PAGE_SIZE,
+                false,
+            )
+        };
+        let per_lane = match self.threads {
+            Some(t) if !self.lanes.is_empty() => t.send_round(
+                &mut self.w,
+                &mut self.compressor,
+                &mut self.lanes,
+                &self.layout,
+                set,
+                live,
+                &mut tick,
+            )?,
+            _ => {
+                let mut ws: Vec<&mut StreamWriter<W>> = std::iter::once(&mut self.w)
+                    .chain(self.lanes.iter_mut().map(|l| &mut l.w))
+                    .collect();
+                let c = Some(&mut self.compressor);
+                send_pages_striped(&mut ws, &self.layout, set, live, c, &mut tick)?
+            }
+        };
         let duration_us = t.elapsed().as_micros() as u64;
+        let mut refs = Refs::default();
+        for c in self.compressors() {
+            if let Some(d) = c.dedup.as_mut() {
+                refs.add(&mut d.refs);
+            }
+        }
+        self.same_refs.add(&mut refs.0);
         let mut sent = Sent::default();
         for (i, s) in per_lane.iter().enumerate() {
             sent.pages += s.pages;
@@ -576,7 +681,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             sent.bytes += s.bytes;
             if i > 0 {
                 // Each data connection ends the round with its own counts.
-                let lane = &mut self.lanes[i - 1];
+                let lane = &mut self.lanes[i - 1].w;
                 lane.write_frame(&Frame::RoundEnd(RoundEndInfo {
                     round: index,
                     final_round: !live,
@@ -585,8 +690,9 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
                     bytes: s.bytes,
                     dirty_pages_found: 0,
                     duration_us,
-                }))?;
-                lane.flush()?;
+                }))
+                .and_then(|_| lane.flush())
+                .map_err(|e| Error::Vmm(format!("data connection {i}: {e}")))?;
             }
         }
         self.w.write_frame(&Frame::RoundEnd(RoundEndInfo {
@@ -760,19 +866,35 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             max_throttle_percent: self.max_throttle,
             rounds: std::mem::take(&mut self.rounds),
             stages: SourceStages {
-                inspect: self.w.inspect_time,
+                inspect: self.w.inspect_time
+                    + self
+                        .lanes
+                        .iter()
+                        .map(|l| l.w.inspect_time)
+                        .sum::<Duration>(),
                 write: self.w.out.write_time
                     + self
                         .lanes
                         .iter()
-                        .map(|l| l.out.write_time)
+                        .map(|l| l.w.out.write_time)
                         .sum::<Duration>(),
-                compress: self.compressor.time,
+                compress: self.compressor.time
+                    + self.lanes.iter().map(|l| l.comp.time).sum::<Duration>(),
                 ..self.stages.clone()
             },
             compression: self.params.compression,
-            compressed_page_bytes: self.compressor.compressed_raw,
-            compressed_frame_bytes: self.compressor.compressed_bytes,
+            compressed_page_bytes: self.compressor.compressed_raw
+                + self
+                    .lanes
+                    .iter()
+                    .map(|l| l.comp.compressed_raw)
+                    .sum::<u64>(),
+            compressed_frame_bytes: self.compressor.compressed_bytes
+                + self
+                    .lanes
+                    .iter()
+                    .map(|l| l.comp.compressed_bytes)
+                    .sum::<u64>(),
         })
     }
 

@@ -14,7 +14,8 @@ use crate::pages::{apply_compressed, apply_pages_shared, compressed_frame_len, P
 use crate::ram::{GuestRam, Layout};
 use crate::stages::DestinationStages;
 use crate::stream::{
-    pages_frame_len, send_reply, Frame, StreamReader, MAX_STATE_TOTAL, ZERO_PAGES_FRAME_LEN,
+    pages_frame_len, send_reply, Frame, StreamReader, MAX_STATE_TOTAL, SAME_PAGE_FRAME_LEN,
+    ZERO_PAGES_FRAME_LEN,
 };
 
 fn ms<S: Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -255,6 +256,19 @@ where
                 apply_compressed(&applier, &c, at)?;
                 pages += c.crcs.len() as u64;
                 bytes += compressed_frame_len(&c);
+            }
+            Frame::SamePage {
+                addr,
+                from,
+                crc,
+                live,
+            } => {
+                if seen_final {
+                    return Err(protocol("pages after the final round".into()));
+                }
+                lock(&applier)?.apply_same(addr, from, crc, live, at)?;
+                pages += 1;
+                bytes += SAME_PAGE_FRAME_LEN;
             }
             Frame::ZeroPages { addr, count } => {
                 if seen_final {

@@ -64,6 +64,9 @@ const MAX_CONFIG_LEN: u32 = 1 << 20;
 const MAX_ERROR_LEN: u32 = 64 << 10;
 const ROUND_END_LEN: u32 = 48;
 const END_LEN: u32 = 24;
+const SAME_PAGE_LEN: u32 = 24;
+/// Wire length of a `SamePage` frame.
+pub const SAME_PAGE_FRAME_LEN: u64 = (FRAME_HEADER_LEN + FRAME_TRAILER_LEN) as u64 + 24;
 
 /// Frame kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +100,9 @@ pub enum Kind {
     Join = 15,
     /// A run of pages with data, compressed (LZ4 or zstd), with each page's CRC-32.
     CompressedPages = 16,
+    /// A page with the same content as a page sent before on the same connection: the
+    /// receiver copies it from there (and checks its CRC-32).
+    SamePage = 17,
 }
 
 impl Kind {
@@ -118,6 +124,7 @@ impl Kind {
             14 => Kind::Connections,
             15 => Kind::Join,
             16 => Kind::CompressedPages,
+            17 => Kind::SamePage,
             _ => return None,
         })
     }
@@ -140,6 +147,7 @@ impl Kind {
             Kind::Connections => "Connections",
             Kind::Join => "Join",
             Kind::CompressedPages => "CompressedPages",
+            Kind::SamePage => "SamePage",
         }
     }
 
@@ -152,6 +160,7 @@ impl Kind {
             Kind::Images => IMAGES_FIXED_LEN + IMAGE_ENTRY_LEN * MAX_IMAGE_REGIONS,
             Kind::ZeroPages | Kind::Connections | Kind::Join => PAGES_FIXED_LEN as u32,
             Kind::RoundEnd => ROUND_END_LEN,
+            Kind::SamePage => SAME_PAGE_LEN,
             Kind::End => END_LEN,
             Kind::Error => MAX_ERROR_LEN,
             Kind::Ready | Kind::Ack | Kind::Handover => 0,
@@ -164,6 +173,7 @@ impl Kind {
         match self {
             Kind::ZeroPages | Kind::Connections | Kind::Join => Some(PAGES_FIXED_LEN as u32),
             Kind::RoundEnd => Some(ROUND_END_LEN),
+            Kind::SamePage => Some(SAME_PAGE_LEN),
             Kind::End => Some(END_LEN),
             Kind::Ready | Kind::Ack | Kind::Handover => Some(0),
             Kind::RoundAck => Some(4),
@@ -301,6 +311,14 @@ pub enum Frame {
     },
     /// `crcs.len()` consecutive pages from `addr`, compressed with `codec` into `data`.
     CompressedPages(CompressedPages),
+    /// The page at `addr` holds what the page at `from` received earlier on this
+    /// connection; `crc` is the CRC-32 of its content. `live`: see [`FLAG_LIVE`].
+    SamePage {
+        addr: u64,
+        from: u64,
+        crc: u32,
+        live: bool,
+    },
 }
 
 /// A decoded `CompressedPages` frame (see [`Frame::CompressedPages`]).
@@ -510,6 +528,21 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>> {
             p[..4].copy_from_slice(&count.to_le_bytes());
             p[8..].copy_from_slice(&token.to_le_bytes());
             encode_simple(Kind::Connections, &p, &mut out);
+        }
+        Frame::SamePage {
+            addr,
+            from,
+            crc: page,
+            live,
+        } => {
+            let mut p = [0u8; SAME_PAGE_LEN as usize];
+            p[..8].copy_from_slice(&addr.to_le_bytes());
+            p[8..16].copy_from_slice(&from.to_le_bytes());
+            p[16..20].copy_from_slice(&page.to_le_bytes());
+            let h = frame_header(Kind::SamePage, if *live { FLAG_LIVE } else { 0 }, 24);
+            out.extend_from_slice(&h);
+            out.extend_from_slice(&p);
+            out.extend_from_slice(&crc(&[&h, &p]).to_le_bytes());
         }
         Frame::Join { token, index } => {
             let mut p = [0u8; PAGES_FIXED_LEN];
@@ -931,7 +964,8 @@ impl<R: Read> StreamReader<R> {
             reason,
         };
         let flags = h[1];
-        let allowed_flags = if matches!(kind, Kind::Pages | Kind::CompressedPages) {
+        let allowed_flags = if matches!(kind, Kind::Pages | Kind::CompressedPages | Kind::SamePage)
+        {
             FLAG_LIVE
         } else {
             0
@@ -1152,6 +1186,23 @@ impl<R: Read> StreamReader<R> {
                         .collect(),
                     data: payload[table_end..].to_vec(),
                 })
+            }
+            Kind::SamePage => {
+                if u32_at(20) != 0 {
+                    return Err(malformed("reserved field is not zero".into()));
+                }
+                let (addr, from) = (u64_at(0), u64_at(8));
+                self.check_range(start, addr, 1)?;
+                self.check_range(start, from, 1)?;
+                if addr == from {
+                    return Err(malformed(format!("guest page {addr:#x} refers to itself")));
+                }
+                Frame::SamePage {
+                    addr,
+                    from,
+                    crc: u32_at(16),
+                    live: flags & FLAG_LIVE != 0,
+                }
             }
             Kind::Pages => return Err(malformed("unexpected Pages frame".into())),
         })

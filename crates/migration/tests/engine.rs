@@ -899,3 +899,220 @@ fn snapshot_to_a_file_and_back() {
     assert_eq!(r.state, b"cpu state");
     assert_eq!(diff(&mem, &dst), Vec::<u64>::new());
 }
+
+/// A data connection that fails ("connection reset") after `limit` bytes.
+struct CutAfter {
+    inner: std::net::TcpStream,
+    left: Option<usize>,
+}
+
+impl Write for CutAfter {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let n = match self.left {
+            Some(0) => {
+                let _ = self.inner.shutdown(std::net::Shutdown::Both);
+                return Err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "connection reset",
+                ));
+            }
+            Some(left) => data.len().min(left),
+            None => data.len(),
+        };
+        let n = self.inner.write(&data[..n])?;
+        if let Some(left) = &mut self.left {
+            *left -= n;
+        }
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// A migration with a sending thread per data connection (`migrate_threaded`) into a
+/// destination that reads each connection on a thread (`receive_parallel`), over TCP; with
+/// `cut = Some((lane, bytes))`, data connection `lane` fails after `bytes`.
+fn threaded_migration(lanes: usize, cut: Option<(usize, usize)>) -> (S, Result<MigrationReport>) {
+    let (s, mut d, mut v) = source(|_| 40);
+    let mem = s.borrow().mem.clone();
+    // Every page holds data: round 0 is then several items, handed to every thread.
+    let mut rng = Lcg(9);
+    for p in 0..512 {
+        fill_page(&mem, p * 4096, &mut rng);
+    }
+    for p in 0..R1 / 4096 {
+        fill_page(&mem, R1_BASE + p * 4096, &mut rng);
+    }
+    let cfg = config_of(&mem);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let dst = ram();
+    let receiver = {
+        let (dst, cfg) = (dst.clone(), cfg.clone());
+        std::thread::spawn(move || {
+            let (conn, _) = listener.accept().unwrap();
+            let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
+                std::thread::Builder::new().name(name).spawn(body)
+            };
+            let par = ParallelReceive {
+                listener: &listener,
+                spawn: &spawn,
+                timeout: Duration::from_secs(10),
+            };
+            let input = conn.try_clone().unwrap();
+            receive_parallel(&dst, input, conn, &cfg, Some(&par)).map(|got| {
+                let mut ack = got.ack;
+                ack.ack().unwrap();
+                got.state
+            })
+        })
+    };
+    let control = std::net::TcpStream::connect(addr).unwrap();
+    let ack_in = control.try_clone().unwrap();
+    ack_in
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let data = (1..=lanes)
+        .map(|i| CutAfter {
+            inner: std::net::TcpStream::connect(addr).unwrap(),
+            left: cut.filter(|c| c.0 == i).map(|c| c.1),
+        })
+        .collect();
+    let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
+        std::thread::Builder::new().name(name).spawn(body)
+    };
+    let out = CutAfter {
+        inner: control,
+        left: None,
+    };
+    let params = MigrationParams {
+        downtime_target: Duration::from_micros(100),
+        max_rounds: 4,
+        ..Default::default()
+    };
+    let rep = migrate_threaded(
+        &mem,
+        &cfg,
+        &mut d,
+        &mut v,
+        out,
+        data,
+        ack_in,
+        &params,
+        |_| {},
+        &spawn,
+    );
+    let got = receiver.join().unwrap();
+    if rep.is_ok() {
+        assert_eq!(got.unwrap(), b"cpu state");
+        assert_eq!(diff(&mem, &dst), Vec::<u64>::new());
+    } else {
+        assert!(got.is_err(), "the destination must fail too");
+    }
+    (s, rep)
+}
+
+#[test]
+fn sending_threads_move_every_page_over_data_connections() {
+    for lanes in [1, 3] {
+        let (s, rep) = threaded_migration(lanes, None);
+        let rep = rep.unwrap();
+        assert!(rep.rounds.len() >= 2, "{:?}", rep.rounds);
+        let s = s.borrow();
+        assert_eq!((s.pauses, s.resumes, s.stops), (1, 0, 1));
+    }
+}
+
+#[test]
+fn a_failed_sending_thread_fails_the_migration_and_resumes_the_source() {
+    for (lanes, cut) in [(1, 0), (2, 5000), (3, 200_000), (1, 100)] {
+        let lane = lanes.min(2);
+        let (s, rep) = threaded_migration(lanes, Some((lane, cut)));
+        let err = rep.unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("data connection {lane}")) && err.contains("connection reset"),
+            "{err}"
+        );
+        let s = s.borrow();
+        assert_eq!(s.pauses, s.resumes, "the source runs on");
+        assert!(!s.paused && !s.tracking);
+    }
+}
+
+/// A dirty log that, at its first read, rewrites page 0 (the page the copies of round 0 name)
+/// and reports only it; later reads report nothing.
+struct RewritesPageZero {
+    mem: GuestMemoryMmap<()>,
+    takes: u32,
+}
+
+impl DirtySource for RewritesPageZero {
+    fn start_tracking(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn take_dirty(&mut self) -> Result<Bitmap> {
+        self.takes += 1;
+        let mut b = Bitmap::new(&[R0 / 4096, R1 / 4096]);
+        if self.takes == 1 {
+            self.mem
+                .write_slice(&[0x5a; 4096], GuestAddress(0))
+                .unwrap();
+            b.set(0, 0);
+        }
+        Ok(b)
+    }
+    fn stop_tracking(&mut self) {}
+}
+
+/// Repeated pages go as `SamePage` markers; when the page they were copied from changes,
+/// they are sent again (else the destination would keep the old copies).
+#[test]
+fn repeated_pages_go_as_markers_and_follow_their_source_page() {
+    let (s, _, mut v) = source(|_| 0);
+    let mem = s.borrow().mem.clone();
+    let same = Lcg(11).page();
+    for p in 0..100 {
+        mem.write_slice(&same, GuestAddress(p * 4096)).unwrap();
+    }
+    let cfg = config_of(&mem);
+    let mut sizes = Vec::new();
+    for compression in [Compression::Auto, Compression::None] {
+        let wire = Wire::default();
+        let ack = Destination::new(&wire, Replies::Auto);
+        let mut dirty = RewritesPageZero {
+            mem: mem.clone(),
+            takes: 0,
+        };
+        mem.write_slice(&same, GuestAddress(0)).unwrap();
+        let params = MigrationParams {
+            downtime_target: Duration::ZERO,
+            max_rounds: 2,
+            compression,
+            ..Default::default()
+        };
+        let rep = migrate(
+            &mem,
+            &cfg,
+            &mut dirty,
+            &mut v,
+            wire.clone(),
+            ack,
+            &params,
+            |_| {},
+        )
+        .unwrap();
+        let stream = wire.buf.borrow().clone();
+        check_destination(&s, &stream);
+        if compression != Compression::None {
+            // Round 1 sends page 0 and, as its copies may be stale, the 99 copies again.
+            assert_eq!(rep.rounds[1].pages_sent, 100, "{:?}", rep.rounds);
+        }
+        sizes.push(rep.bytes_total);
+        // Undo the rewrite for the next pass, and resume the fake VM.
+        s.borrow_mut().paused = false;
+    }
+    // Round 0: 99 copies as 36-byte markers instead of 4100 bytes each; round 1 sends
+    // page 1 with data and 98 markers, where the stream without markers sends only page 0.
+    assert!(sizes[0] + 99 * 3900 < sizes[1], "{sizes:?}");
+}

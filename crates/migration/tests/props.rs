@@ -44,6 +44,13 @@ fn seeds_are_accepted_and_restore_the_source() {
             assert_eq!(got, page(addr), "page {addr:#x}");
         }
     }
+    let same = seed_stream_same_page();
+    assert!(check_receive(&same));
+    let ram = small_ram();
+    migration::restore_from(&ram, same.as_slice(), &config()).unwrap();
+    let mut got = vec![0u8; PAGE_SIZE as usize];
+    ram.read_slice(&mut got, GuestAddress(0x1000)).unwrap();
+    assert_eq!(got, page(0), "the SamePage copy");
     let file = seed_snapshot_file();
     assert!(check_snapshot_file(&file));
     assert_eq!(check_frames(&file, true), 6);
@@ -57,6 +64,7 @@ fn seeds() -> Vec<(Vec<u8>, usize, u8)> {
         (seed_stream(false), 20, 0),
         (seed_stream(true), 20, 0),
         (seed_stream(true), 20, 1),
+        (seed_stream_same_page(), 20, 0),
         (seed_snapshot_file(), 20, 2),
         (seed_replies(), 0, 3),
     ]

@@ -606,3 +606,130 @@ fn random_damage_never_panics() {
         }
     }
 }
+
+/// A final round with `page` at 0x1000, then `frames` (each counted as one page of
+/// `SAME_PAGE_FRAME_LEN` bytes), the state and `End`.
+fn same_page_stream(cfg: &MigrationConfig, page: &[u8], frames: &[Frame]) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut w = StreamWriter::new(&mut buf);
+    header_and_config(&mut w, cfg);
+    let mut bytes = w.write_pages(0x1000, page, false).unwrap();
+    for f in frames {
+        bytes += w.write_frame(f).unwrap();
+    }
+    let pages = 1 + frames.len() as u64;
+    w.write_frame(&Frame::RoundEnd(RoundEndInfo {
+        round: 0,
+        final_round: true,
+        pages,
+        bytes,
+        dirty_pages_found: pages,
+        ..Default::default()
+    }))
+    .unwrap();
+    w.write_frame(&Frame::State(vec![1])).unwrap();
+    w.write_frame(&Frame::End(EndInfo {
+        rounds: 1,
+        total_pages: pages,
+        total_zero_pages: 0,
+    }))
+    .unwrap();
+    w.flush().unwrap();
+    buf
+}
+
+#[test]
+fn same_page_markers_copy_an_earlier_page() {
+    let mem = ram();
+    let cfg = config_of(&mem);
+    let page = Lcg(5).page();
+    let crc = page_crc(&page);
+    let same = |addr, from| Frame::SamePage {
+        addr,
+        from,
+        crc,
+        live: false,
+    };
+    // Round trip of the frame itself.
+    let live = Frame::SamePage {
+        addr: 0x5000,
+        from: 0x1000,
+        crc,
+        live: true,
+    };
+    let bytes = encode_frame(&live).unwrap();
+    assert_eq!(bytes.len() as u64, SAME_PAGE_FRAME_LEN);
+    let framed = stream_with(&cfg, &bytes);
+    let mut r = StreamReader::new(&framed[..]);
+    r.read_header().unwrap();
+    let Frame::Config(c) = r.next_frame().unwrap() else {
+        panic!("no config")
+    };
+    r.set_ram_ranges(c.ram_regions);
+    assert_eq!(r.next_frame().unwrap(), live);
+    // Two copies, one of them in the second RAM region.
+    let s = same_page_stream(&cfg, &page, &[same(0x5000, 0x1000), same(R1_BASE, 0x5000)]);
+    let dst = ram();
+    let got = restore_from(&dst, &s[..], &cfg).unwrap();
+    assert_eq!(got.report.pages_total, 3);
+    for addr in [0x1000, 0x5000, R1_BASE] {
+        let mut back = vec![0u8; 4096];
+        dst.read_slice(&mut back, GuestAddress(addr)).unwrap();
+        assert_eq!(back, page, "{addr:#x}");
+    }
+}
+
+#[test]
+fn bad_same_page_markers_are_refused() {
+    let mem = ram();
+    let cfg = config_of(&mem);
+    let page = Lcg(6).page();
+    let crc = page_crc(&page);
+    let same = |addr, from, crc| Frame::SamePage {
+        addr,
+        from,
+        crc,
+        live: false,
+    };
+    for (frame, why) in [
+        (
+            same(0x5000, 0x9000, crc),
+            "refers to guest page 0x9000, which this stream has not sent",
+        ),
+        (same(0x5000, 3 << 20, crc), "not inside one RAM region"),
+        (same(3 << 20, 0x1000, crc), "not inside one RAM region"),
+        (same(0x5000, 0x1001, crc), "not 4 KiB aligned"),
+        (same(0x1000, 0x1000, crc), "refers to itself"),
+        (
+            same(0x5000, 0x1000, crc ^ 1),
+            "checksum mismatch in guest page 0x5000 copied",
+        ),
+    ] {
+        let s = same_page_stream(&cfg, &page, &[frame]);
+        let e = restore_from(&ram(), &s[..], &cfg).unwrap_err().to_string();
+        assert!(e.contains(why), "{why}: {e}");
+    }
+    // A marker before any page data, and one with a reserved field set.
+    let s = stream_with(&cfg, &encode_frame(&same(0x5000, 0x1000, crc)).unwrap());
+    let e = restore_from(&ram(), &s[..], &cfg).unwrap_err().to_string();
+    assert!(e.contains("has not sent with data"), "{e}");
+    let mut p = vec![0u8; 24];
+    p[..8].copy_from_slice(&0x5000u64.to_le_bytes());
+    p[8..16].copy_from_slice(&0x1000u64.to_le_bytes());
+    p[20] = 1;
+    let s = stream_with(&cfg, &raw_frame(17, 0, &p, 24));
+    let e = restore_from(&ram(), &s[..], &cfg).unwrap_err().to_string();
+    assert!(e.contains("reserved field is not zero"), "{e}");
+    // A torn source page in a live round makes the copy torn (sent again or refused at End).
+    let s = stream_with(
+        &cfg,
+        &raw_frame(
+            17,
+            1,
+            &p[..20].iter().chain(&[0; 4]).copied().collect::<Vec<_>>(),
+            24,
+        ),
+    );
+    let e = restore_from(&ram(), &s[..], &cfg).unwrap_err().to_string();
+    assert!(e.contains("has not sent with data"), "{e}");
+}

@@ -406,7 +406,11 @@ impl Core {
         }
         // After a lazy restore, pages still mapped from the snapshot file hold data too.
         let data_pages = self.restored.get().map(|m| m.data_pages());
-        let result = migration::migrate_parallel(
+        // A sending thread per data connection, under the migration's seccomp role.
+        let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
+            sandbox::spawn(sandbox::Role::Migration, name, body)
+        };
+        let result = migration::migrate_threaded(
             &migration::FileBackedRam::new(&*self.memory, data_pages),
             &self.config,
             dirty,
@@ -424,6 +428,7 @@ impl Core {
                 }
                 progress(progress_json(p))
             },
+            &spawn,
         );
         if result.as_ref().is_err_and(|e| !e.outcome_unknown()) && control.paused {
             // Paused before the engine ran (warm): the engine leaves that to us.

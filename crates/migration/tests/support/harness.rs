@@ -113,6 +113,42 @@ pub fn seed_stream(live: bool) -> Vec<u8> {
     w.into_inner()
 }
 
+/// A valid migration stream whose page 0x1000 is a `SamePage` copy of page 0 (one final
+/// round): the seed through which mutations reach the marker's checks.
+pub fn seed_stream_same_page() -> Vec<u8> {
+    let mut w = StreamWriter::new(Vec::new());
+    w.write_header().unwrap();
+    w.write_frame(&Frame::Config(config())).unwrap();
+    let mut bytes = w.write_pages(0, &page(0), false).unwrap();
+    bytes += w
+        .write_frame(&Frame::SamePage {
+            addr: 0x1000,
+            from: 0,
+            crc: page_crc(&page(0)),
+            live: false,
+        })
+        .unwrap();
+    w.write_frame(&Frame::RoundEnd(RoundEndInfo {
+        round: 0,
+        final_round: true,
+        pages: 2,
+        zero_pages: 0,
+        bytes,
+        dirty_pages_found: 2,
+        duration_us: 10,
+    }))
+    .unwrap();
+    w.write_frame(&Frame::State(b"{}".to_vec())).unwrap();
+    w.write_frame(&Frame::End(EndInfo {
+        rounds: 1,
+        total_pages: 2,
+        total_zero_pages: 0,
+    }))
+    .unwrap();
+    w.flush().unwrap();
+    w.into_inner()
+}
+
 fn header_v2() -> Vec<u8> {
     let mut h = MAGIC.to_vec();
     h.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
