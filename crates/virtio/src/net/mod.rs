@@ -12,10 +12,11 @@
 //!
 //! After a restore or an incoming migration the device announces the guest: it writes
 //! RARP frames with the guest's MAC on the tap (so switches learn where it went, as QEMU's
-//! announce does) and, with VIRTIO_NET_F_GUEST_ANNOUNCE, sets VIRTIO_NET_S_ANNOUNCE and
+//! announce does: the first at once, the others 50 and 200 ms later, see [`announce`]) and, with VIRTIO_NET_F_GUEST_ANNOUNCE, sets VIRTIO_NET_S_ANNOUNCE and
 //! interrupts, so the guest sends its own gratuitous ARPs and acknowledges on the control
 //! queue.
 
+pub mod announce;
 mod ctrl;
 pub mod pair;
 pub mod tap;
@@ -124,6 +125,8 @@ pub struct Net {
     announce_pending: bool,
     /// Restored pairs in use, applied at the next activation instead of 1.
     restored_pairs: Option<u16>,
+    /// The RARP frames still to come after a restore.
+    announcer: announce::Announcer,
 }
 
 impl Net {
@@ -160,6 +163,7 @@ impl Net {
             interrupt: None,
             announce_pending: false,
             restored_pairs: None,
+            announcer: announce::Announcer::default(),
         })
     }
 
@@ -216,11 +220,7 @@ impl Net {
     fn announce(&mut self) {
         let frame = rarp_frame(&self.options.mac);
         if let Some(tap) = self.shared.taps.first() {
-            for _ in 0..ANNOUNCE_FRAMES {
-                if let Err(e) = tap.write_frame(&frame) {
-                    log::warn!("virtio-net: announcing on {}: {e}", tap.name());
-                }
-            }
+            self.announcer = announce::Announcer::start(tap.clone(), frame, ANNOUNCE_FRAMES);
         }
         if self.acked_features & (1 << VIRTIO_NET_F_GUEST_ANNOUNCE) != 0 {
             if let Some(interrupt) = &self.interrupt {
@@ -350,6 +350,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
     }
 
     fn reset(&mut self) -> Vec<ActiveQueue> {
+        self.announcer.cancel();
         let queues = self.workers.stop();
         self.shared
             .status
@@ -360,6 +361,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
     }
 
     fn pause(&mut self) -> Result<(), LifecycleError> {
+        self.announcer.cancel();
         self.workers.pause()
     }
 
