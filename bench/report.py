@@ -839,7 +839,29 @@ NET_LABELS = {
     "guest-to-host": "guest to host: 1400-byte datagrams, one way",
     "host-to-guest": "host to guest: 1400-byte datagrams, one way",
     "host-to-guest-8k": "host to guest: 8000-byte datagrams (9000-byte MTU, mergeable buffers), one way",
+    "tcp-guest-to-host": "TCP guest to host: 64 KiB TSO, 1500-byte MTU",
+    "tcp-host-to-guest": "TCP host to guest: 64 KiB TSO (GSO frames taken whole), 1500-byte MTU",
 }
+
+
+def is_tcp_workload(r):
+    return r["workload"].get("mode", "").startswith("tcp-")
+
+
+def net_tcp_table(tcp, out, summary):
+    """The TCP rows of section 9: Mbit/s of payload, from (time in µs, bytes) samples."""
+    out.append("TCP bulk transfer (the net-tcp guest and `bench/tcpbulk.c`; 256 MiB each way, every "
+               "byte checked by the receiver, which times its first byte to its last), Mbit/s of "
+               "payload:\n")
+    out.append("| workload | ferrovm | QEMU | veth floor | ferrovm/QEMU |")
+    out.append("| --- | --- | --- | --- | --- |")
+    for name, r in tcp.items():
+        rates = {k: [n * 8 / us for us, n in r["samples"][k]] for k in ("ferrovm", "qemu", "veth")}
+        per_round = [a / b for a, b in zip(rates["ferrovm"], rates["qemu"])]
+        out.append(f"| {NET_LABELS.get(name, name)} | {fig(rates['ferrovm'], 0)} | {fig(rates['qemu'], 0)} | "
+                   f"{fig(rates['veth'], 0)} | {ratio(rates['ferrovm'], rates['qemu'], per_round)} |")
+        summary[name] = {k: med(v) for k, v in rates.items()}
+    out.append("")
 
 
 def net_rates(samples):
@@ -851,7 +873,7 @@ def net_section(res, docs, out):
     """Section 9 from bench/net.py's results (res["net"], target/bench/net.json)."""
     net = res["net"]
     rounds = max(len(r["samples"]["ferrovm"]) for r in net.values())
-    out.append("## 9. virtio-net: UDP through a tap\n")
+    out.append("## 9. virtio-net: UDP and TCP through a tap\n")
     out.append(
         "`bench/net.py` (run by `make bench` after `bench.py`): a network namespace holds a "
         "multiqueue tap (10.0.2.2/24, MTU 9000, its queue long enough for a whole burst) and "
@@ -872,7 +894,10 @@ def net_section(res, docs, out):
     out.append("| --- | --- | --- | --- | --- | --- |")
     summary = {}
     lost = []
+    tcp = {n: r for n, r in net.items() if is_tcp_workload(r)}
     for name, r in net.items():
+        if name in tcp:
+            continue
         w = r["workload"]
         rates = {k: net_rates(r["samples"][k]) for k in ("ferrovm", "qemu", "veth")}
         per_round = [a / b for a, b in zip(rates["ferrovm"], rates["qemu"])]
@@ -889,6 +914,8 @@ def net_section(res, docs, out):
     out.append("")
     out.append("Delivered: " + ("everything in every run." if not lost else
                                 "median fraction below 1 for " + ", ".join(lost) + ".") + "\n")
+    if tcp:
+        net_tcp_table(tcp, out, summary)
     out.append(
         "- Both VMMs serve the queues in user space (QEMU without vhost, which this host lacks), "
         "one I/O thread per queue pair for ferrovm, the main loop for QEMU. ferrovm writes each "
@@ -917,6 +944,13 @@ def net_rows(res, s_net, rows):
         ratios = " / ".join(f"{s_net[n]['ferrovm'] / s_net[n]['qemu']:.2f}×" for n in names)
         rows.append(f"| virtio-net datagrams per s: {', '.join(names)} | {col('ferrovm')} ({ratios} QEMU) | "
                     f"{col('qemu')} | veth {col('veth')} | at least QEMU's |")
+    tcp = [n for n in ("tcp-guest-to-host", "tcp-host-to-guest") if n in s_net]
+    if tcp:
+        def mbit(k):
+            return " / ".join(f"{s_net[n][k]:.0f}" for n in tcp)
+        ratios = " / ".join(f"{s_net[n]['ferrovm'] / s_net[n]['qemu']:.2f}×" for n in tcp)
+        rows.append(f"| virtio-net TCP Mbit/s, 64 KiB TSO: guest to host / host to guest | {mbit('ferrovm')} "
+                    f"({ratios} QEMU) | {mbit('qemu')} | veth {mbit('veth')} | at least QEMU's |")
 
 
 

@@ -77,6 +77,8 @@ static void report_frames(void)
 	       "bytes); %lu retransmits, %lu out of order, %lu bad checksums\n",
 	       c->tx_segments, c->tx_gso_segments, c->tx_largest, c->rx_frames, c->rx_gso_frames,
 	       c->rx_largest, c->retransmits, c->rx_ooo, c->rx_bad_csum);
+	printf("net-tcp: notifications: receive queue %lu, transmit queue %lu\n", net.pair[0].rx->kicks,
+	       net.pair[0].tx->kicks);
 }
 
 static void send_mode(u64 bytes, u64 stall_us)
