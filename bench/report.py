@@ -850,9 +850,12 @@ def is_tcp_workload(r):
 
 def net_tcp_table(tcp, out, summary):
     """The TCP rows of section 9: Mbit/s of payload, from (time in µs, bytes) samples."""
-    out.append("TCP bulk transfer (the net-tcp guest and `bench/tcpbulk.c`; 256 MiB each way, every "
-               "byte checked by the receiver, which times its first byte to its last), Mbit/s of "
-               "payload:\n")
+    mib = max(r["workload"]["count"] for r in tcp.values()) >> 20
+    out.append(f"TCP bulk transfer (the net-tcp guest, the kit's TCP in ring 3, against "
+               f"`bench/tcpbulk.c` on the host; {mib} MiB each way, every byte checked by the "
+               "receiver, which times its first byte to its last; QEMU as above, the guest "
+               "negotiating CSUM, HOST_TSO4, GUEST_CSUM, GUEST_TSO4 and MRG_RXBUF with both), "
+               "Mbit/s of payload:\n")
     out.append("| workload | ferrovm | QEMU | veth floor | ferrovm/QEMU |")
     out.append("| --- | --- | --- | --- | --- |")
     for name, r in tcp.items():
@@ -926,7 +929,19 @@ def net_section(res, docs, out):
         "buffers than the frame needs, the frame waits and the device asks for a notification, "
         "so a guest that falls behind pays about one exit per frame.\n"
         "- The floor is faster still: on this host every guest exit is emulated by PVM (5–25 µs, "
-        "§2), and a polled guest still pays one per transmitted frame or batch.\n")
+        "§2), and a polled guest still pays one per transmitted frame or batch.\n"
+        "- With two queue pairs ferrovm runs two I/O threads beside the polling vCPU on this "
+        "2-CPU host. Each comes back to its transmit queue sooner than QEMU's one loop does, so "
+        "the guest more often finds notifications on and pays an exit for its next frame "
+        "(net-stress prints the count per queue); see docs/networking.md.\n"
+        "- TCP guest to host: each 64 KiB segment leaves the guest as one GSO frame (a "
+        "two-buffer chain, headers then data straight from guest memory) that the device writes "
+        "to the tap with one writev(2), and the host's stack takes it whole: the receiving socket "
+        "bounds both VMMs. The veth floor runs both ends' TCP stacks on the same two CPUs, so "
+        "it can come out below them.\n"
+        "- TCP host to guest: the tap hands over 64 KiB GSO frames, which the device spreads "
+        "over about 33 mergeable 2 KiB receive buffers, published together; the guest copies "
+        "and checks every byte and acknowledges once per batch of frames it finds.\n")
     return summary
 
 
