@@ -171,6 +171,7 @@ static void one_way_receive(u32 count)
 	}
 	printf("net-stress: received %u of %u datagrams of %u bytes in %lu us\n", got, count, size,
 	       got ? (last - first) / (tsc_hz() / 1000000) : 0);
+	printf("net-stress: receive notifications %lu\n", net.pair[0].rx->kicks);
 }
 
 static u64 work(u64 arg)

@@ -19,6 +19,7 @@
 pub mod announce;
 mod ctrl;
 pub mod pair;
+pub mod recheck;
 pub mod tap;
 #[cfg(test)]
 mod tests;
@@ -127,6 +128,8 @@ pub struct Net {
     restored_pairs: Option<u16>,
     /// The RARP frames still to come after a restore.
     announcer: announce::Announcer,
+    /// One per pair: the receive queue's re-check timer.
+    rx_timers: Vec<Arc<recheck::RxTimer>>,
 }
 
 impl Net {
@@ -139,6 +142,9 @@ impl Net {
             .collect();
         let wanted = TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_TSO_ECN | TUN_F_UFO;
         let tap_offloads = taps.first().map_or(0, |t| t.probe_offloads(wanted));
+        let rx_timers = (0..pairs)
+            .map(|_| recheck::RxTimer::new().map(Arc::new))
+            .collect::<std::io::Result<_>>()?;
         let steering_wakers = (0..pairs)
             .map(|_| Waker::new().map(Arc::new))
             .collect::<std::io::Result<_>>()?;
@@ -164,6 +170,7 @@ impl Net {
             announce_pending: false,
             restored_pairs: None,
             announcer: announce::Announcer::default(),
+            rx_timers,
         })
     }
 
@@ -429,6 +436,11 @@ impl Net {
             )));
         };
         let acked = self.acked_features;
+        let Some(timer) = self.rx_timers.get(usize::from(pair)).cloned() else {
+            return Err(ActivateError(format!(
+                "virtio-net: no receive timer for pair {pair}"
+            )));
+        };
         let handler = PairHandler {
             pair,
             has_rx: queues.iter().any(|q| q.index == pair * 2),
@@ -441,6 +453,8 @@ impl Net {
             pending_rx: None,
             tap_failed: None,
             rx_buf: vec![0; MAX_GSO_FRAME],
+            rx_delivered: 0,
+            rx_recheck: recheck::RxRecheck::new(timer),
         };
         self.workers.spawn(
             format!("virtio-net-q{pair}"),
