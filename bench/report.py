@@ -1204,7 +1204,7 @@ def main():
         "| `bench/migration.sh` | ferrovm migration cases (also its own table, docs/migration.md) |\n"
         "| `bench/linux-initramfs.sh` | `hostbench` as the `/init` of an initramfs |\n"
         "| `bench/blkhost.c` | the host floor of the virtio-blk benchmark |\n"
-        "| `bench/net.py`, `bench/udpecho.c` | the virtio-net benchmark (`target/bench/net.json`) and its host side |\n"
+        "| `bench/net.py`, `bench/udpecho.c`, `bench/tcpbulk.c` | the virtio-net benchmark (`target/bench/net.json`) and its host side (UDP, TCP) |\n"
         "| `guests/bench-start.c`, `guests/bench-exit.c`, `guests/bench-work.c`, `guests/bench-restore.c`, "
         "`guests/bench-blk.c` | the benchmark guests |\n")
     text = "\n".join(head + body + tail)
