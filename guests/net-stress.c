@@ -171,6 +171,7 @@ static void one_way_receive(u32 count)
 	}
 	printf("net-stress: received %u of %u datagrams of %u bytes in %lu us\n", got, count, size,
 	       got ? (last - first) / (tsc_hz() / 1000000) : 0);
+	printf("net-stress: receive notifications %lu\n", net.pair[0].rx->kicks);
 }
 
 static u64 work(u64 arg)
@@ -239,8 +240,9 @@ static u64 work(u64 arg)
 	}
 	u64 us = (rdtsc() - start) / (tsc_hz() / 1000000);
 	for (unsigned p = 0; p < pairs; p++)
-		printf("net-stress: pair %u: tx %lu rx %lu\n", p, net.pair[p].tx_frames,
-		       net.pair[p].rx_frames);
+		printf("net-stress: pair %u: tx %lu rx %lu, notifications tx %lu rx %lu\n", p,
+		       net.pair[p].tx_frames, net.pair[p].rx_frames, net.pair[p].tx->kicks,
+		       net.pair[p].rx->kicks);
 	printf("net-stress: %u echoes intact in %lu us, %lu resent, %lu duplicates, %u stalls\n",
 	       count, us, resent, dups, stalls);
 	static const char hello[] = "after the stress";

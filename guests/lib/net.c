@@ -146,6 +146,41 @@ bool net_send(struct net_dev *n, unsigned p, const void *frame, u32 len)
 	return true;
 }
 
+bool net_send_chain(struct net_dev *n, unsigned p, const struct net_hdr *vh, const void *head,
+		    u32 hlen, const void *data, u32 dlen)
+{
+	struct net_pair *pr = &n->pair[p];
+	if (hlen > NET_BUF_LEN - NET_HDR_LEN)
+		fail("net_send_chain: %u bytes of headers", hlen);
+	u64 deadline = net_deadline(1000000);
+	net_tx_reap(n, p);
+	/* In-order completion: slot tx_next is free while fewer than qsize are in flight. */
+	while (pr->tx_inflight >= pr->tx->size) {
+		if (net_expired(deadline))
+			return false;
+		pause();
+		net_tx_reap(n, p);
+	}
+	u16 slot = pr->tx_next;
+	u8 *buf = pr->tx_bufs + (u64)slot * NET_BUF_LEN;
+	memcpy(buf, vh, NET_HDR_LEN);
+	buf[10] = buf[11] = 0;
+	memcpy(buf + NET_HDR_LEN, head, hlen);
+	struct vbuf b[2] = { { buf, NET_HDR_LEN + hlen }, { (void *)data, dlen } };
+	/* Without indirect tables a chain takes two ring slots: wait for room. */
+	while (virtq_add(pr->tx, b, dlen ? 2 : 1, 0, (void *)(u64)(slot + 1)) < 0) {
+		if (net_expired(deadline))
+			return false;
+		pause();
+		net_tx_reap(n, p);
+	}
+	pr->tx_next = (u16)((slot + 1) % pr->tx->size);
+	pr->tx_inflight++;
+	pr->tx_frames++;
+	virtq_kick(pr->tx);
+	return true;
+}
+
 int net_recv(struct net_dev *n, unsigned p, void *out, u64 timeout_us)
 {
 	struct net_pair *pr = &n->pair[p];

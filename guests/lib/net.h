@@ -12,6 +12,7 @@
 #define VIRTIO_NET_F_CSUM		0
 #define VIRTIO_NET_F_GUEST_CSUM		1
 #define VIRTIO_NET_F_GUEST_TSO4		7
+#define VIRTIO_NET_F_HOST_TSO4		11
 #define VIRTIO_NET_F_MAC		5
 #define VIRTIO_NET_F_MRG_RXBUF		15
 #define VIRTIO_NET_F_STATUS		16
@@ -33,6 +34,15 @@
 #define VIRTIO_NET_ERR			1
 
 #define NET_HDR_LEN	12		/* virtio_net_hdr_v1 */
+/* virtio_net_hdr_v1 (little endian, as on x86) */
+struct net_hdr {
+	u8 flags, gso_type;
+	u16 hdr_len, gso_size, csum_start, csum_offset, num_buffers;
+} __attribute__((packed));
+#define VIRTIO_NET_HDR_F_NEEDS_CSUM	1	/* checksum from csum_start, stored at +csum_offset */
+#define VIRTIO_NET_HDR_F_DATA_VALID	2	/* checksum already checked */
+#define VIRTIO_NET_HDR_GSO_NONE		0
+#define VIRTIO_NET_HDR_GSO_TCPV4	1
 #define NET_BUF_LEN	2048		/* every receive and transmit buffer */
 #define NET_MAX_PAIRS	3		/* VIRTIO_MAX_QUEUES = 8: 3 pairs + control */
 #define NET_FRAME_MAX	1514
@@ -72,6 +82,15 @@ bool net_start(struct net_dev *n, u64 wanted, unsigned pairs, u16 qsize);
 /* Queues a frame (no header) on pair p and rings the doorbell; reclaims
  * finished transmissions first.  false if the queue stays full ~1 s. */
 bool net_send(struct net_dev *n, unsigned p, const void *frame, u32 len);
+/* Queues one frame on pair p as a chain of two buffers: the header `vh`
+ * (num_buffers written 0) with the `hlen` bytes at `head` copied behind it
+ * into the pair's own buffer, then `dlen` bytes at `data` in place (they
+ * must stay as they are until the chain is reclaimed; dlen 0: no second
+ * buffer).  With VIRTIO_NET_F_HOST_TSO4 and a GSO header the frame may be
+ * up to 64 KiB.  Rings the doorbell (unless EVENT_IDX says the device is
+ * still looking).  false if the queue stays full ~1 s. */
+bool net_send_chain(struct net_dev *n, unsigned p, const struct net_hdr *vh, const void *head,
+		    u32 hlen, const void *data, u32 dlen);
 /* Reclaims finished transmissions of pair p; returns how many. */
 unsigned net_tx_reap(struct net_dev *n, unsigned p);
 /* The next received frame of pair p (no header) copied to buf (at most

@@ -12,12 +12,14 @@
 //!
 //! After a restore or an incoming migration the device announces the guest: it writes
 //! RARP frames with the guest's MAC on the tap (so switches learn where it went, as QEMU's
-//! announce does) and, with VIRTIO_NET_F_GUEST_ANNOUNCE, sets VIRTIO_NET_S_ANNOUNCE and
+//! announce does: the first at once, the others 50 and 200 ms later, see [`announce`]) and, with VIRTIO_NET_F_GUEST_ANNOUNCE, sets VIRTIO_NET_S_ANNOUNCE and
 //! interrupts, so the guest sends its own gratuitous ARPs and acknowledges on the control
 //! queue.
 
+pub mod announce;
 mod ctrl;
 pub mod pair;
+pub mod recheck;
 pub mod tap;
 #[cfg(test)]
 mod tests;
@@ -129,6 +131,10 @@ pub struct Net {
     kernel: Option<Box<dyn vhost::KernelDataPath>>,
     /// Between `pause` and `resume`.
     paused: bool,
+    /// The RARP frames still to come after a restore.
+    announcer: announce::Announcer,
+    /// One per pair: the receive queue's re-check timer.
+    rx_timers: Vec<Arc<recheck::RxTimer>>,
 }
 
 impl Net {
@@ -141,6 +147,9 @@ impl Net {
             .collect();
         let wanted = TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_TSO_ECN | TUN_F_UFO;
         let tap_offloads = taps.first().map_or(0, |t| t.probe_offloads(wanted));
+        let rx_timers = (0..pairs)
+            .map(|_| recheck::RxTimer::new().map(Arc::new))
+            .collect::<std::io::Result<_>>()?;
         let steering_wakers = (0..pairs)
             .map(|_| Waker::new().map(Arc::new))
             .collect::<std::io::Result<_>>()?;
@@ -167,6 +176,8 @@ impl Net {
             restored_pairs: None,
             kernel: None,
             paused: false,
+            announcer: announce::Announcer::default(),
+            rx_timers,
         })
     }
 
@@ -223,11 +234,7 @@ impl Net {
     fn announce(&mut self) {
         let frame = rarp_frame(&self.options.mac);
         if let Some(tap) = self.shared.taps.first() {
-            for _ in 0..ANNOUNCE_FRAMES {
-                if let Err(e) = tap.write_frame(&frame) {
-                    log::warn!("virtio-net: announcing on {}: {e}", tap.name());
-                }
-            }
+            self.announcer = announce::Announcer::start(tap.clone(), frame, ANNOUNCE_FRAMES);
         }
         if self.acked_features & (1 << VIRTIO_NET_F_GUEST_ANNOUNCE) != 0 {
             if let Some(interrupt) = &self.interrupt {
@@ -361,6 +368,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
     }
 
     fn reset(&mut self) -> Vec<ActiveQueue> {
+        self.announcer.cancel();
         let mut queues = self.workers.stop();
         queues.extend(self.kernel.as_mut().map(|k| k.stop()).unwrap_or_default());
         self.shared
@@ -372,6 +380,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
     }
 
     fn pause(&mut self) -> Result<(), LifecycleError> {
+        self.announcer.cancel();
         self.paused = true;
         self.workers.pause()?;
         self.pause_kernel_path()
@@ -447,6 +456,11 @@ impl Net {
             )));
         };
         let acked = self.acked_features;
+        let Some(timer) = self.rx_timers.get(usize::from(pair)).cloned() else {
+            return Err(ActivateError(format!(
+                "virtio-net: no receive timer for pair {pair}"
+            )));
+        };
         let handler = PairHandler {
             pair,
             has_rx: queues.iter().any(|q| q.index == pair * 2),
@@ -459,6 +473,8 @@ impl Net {
             pending_rx: None,
             tap_failed: None,
             rx_buf: vec![0; MAX_GSO_FRAME],
+            rx_delivered: 0,
+            rx_recheck: recheck::RxRecheck::new(timer),
         };
         self.workers.spawn(
             format!("virtio-net-q{pair}"),

@@ -28,6 +28,7 @@ use virtio_queue::DescriptorChain;
 use vm_memory::bitmap::BS;
 use vm_memory::{GuestMemory, Permissions, VolatileSlice};
 
+use super::recheck::RxRecheck;
 use super::tap::{Tap, VNET_HDR_LEN};
 use super::Shared;
 use crate::worker::QueueHandler;
@@ -84,6 +85,10 @@ pub struct PairHandler {
     /// Holds the steering generation at the failure.
     pub tap_failed: Option<u64>,
     pub rx_buf: Vec<u8>,
+    /// Frames put into the receive queue so far.
+    pub rx_delivered: u64,
+    /// A frame without buffers: look again shortly rather than ask for a notification.
+    pub rx_recheck: RxRecheck,
 }
 
 impl PairHandler {
@@ -157,6 +162,7 @@ impl PairHandler {
             return writer.bytes_written() as u32;
         }
         Counters::bump(&self.shared.counters.rx_frames);
+        self.rx_delivered += 1;
         len as u32
     }
 
@@ -209,6 +215,7 @@ impl PairHandler {
         }
         self.pending_rx = None;
         Counters::bump(&self.shared.counters.rx_frames);
+        self.rx_delivered += 1;
         Some(used)
     }
 
@@ -307,8 +314,20 @@ impl<M: GuestMemory> QueueHandler<M> for PairHandler {
 
     fn notifications_off(&mut self, queue: u16) -> bool {
         // Receive buffers are looked for when a frame arrives; the driver needs to kick
-        // only once the device holds a frame it has no buffer for.
-        queue == self.rx_queue() && self.pending_rx.is_none()
+        // only once the device holds a frame it has no buffer for, and not even then while
+        // it is draining the ring (see `recheck`).
+        if queue != self.rx_queue() {
+            return false;
+        }
+        if self.pending_rx.is_none() {
+            self.rx_recheck.clear();
+            return true;
+        }
+        self.rx_recheck.defer(self.rx_delivered)
+    }
+
+    fn fds_ready(&mut self) {
+        self.rx_recheck.take_expiry();
     }
 
     fn extra_wakers(&self) -> Vec<Arc<Waker>> {
@@ -330,9 +349,10 @@ impl<M: GuestMemory> QueueHandler<M> for PairHandler {
             self.tap_failed = None;
         }
         let failed = self.tap_failed.is_some();
-        if !self.has_rx || failed || self.pending_rx.is_some() || !self.attached() {
-            return Vec::new();
+        let mut fds: Vec<RawFd> = self.rx_recheck.poll_fd().into_iter().collect();
+        if self.has_rx && !failed && self.pending_rx.is_none() && self.attached() {
+            fds.push(self.tap.poll_fd());
         }
-        vec![self.tap.poll_fd()]
+        fds
     }
 }
