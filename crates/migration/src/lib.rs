@@ -19,6 +19,7 @@ mod error;
 mod image;
 mod lanes;
 mod pages;
+mod postcopy;
 mod precopy;
 mod ram;
 mod receive;
@@ -36,9 +37,14 @@ pub use image::{
 };
 pub use lanes::{ParallelReceive, SpawnLane};
 pub use pages::is_zero;
+pub use postcopy::{
+    Arrival, ArrivalReader, PostcopyIncoming, PostcopyReport, PostcopySource, Record, Switch,
+    MAX_REQUEST_PAGES,
+};
 pub use precopy::{
-    migrate, migrate_parallel, snapshot, DirtySource, MigrationParams, MigrationReport, Phase,
-    Progress, RoundStats, SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
+    migrate, migrate_parallel, migrate_postcopy, snapshot, DirtySource, MigrationParams,
+    MigrationReport, Phase, Progress, RoundStats, SnapshotReport, StopReason, VmControl,
+    THROTTLE_STEPS,
 };
 pub use ram::{FileBackedRam, GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
 pub use receive::{
