@@ -1481,3 +1481,79 @@ fn restore_refuses_options_it_would_ignore() {
     assert!(vm.running());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// Post-copy
+
+/// Migrates a dirtying guest with post-copy `options` and checks that it goes on intact on
+/// the destination, with the post-copy figures reported.
+fn post_copy_on_loopback(cpus: &str, options: &[&str]) {
+    let dir = scratch(&format!("postcopy-{cpus}-{}", options.join("")));
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let shape = ["--memory", "256M", "--cpus", cpus];
+    let mut dest_args = vec!["--incoming", &listen];
+    dest_args.extend_from_slice(&shape);
+    let mut dest = Vm::start(&dest_args, &dir, "dest", true);
+    let mut source = start_dirty_source(&dir, &shape, 32);
+    let before = last_pass(&source.output());
+    let mut args = vec!["--json", "migrate", &listen];
+    args.extend_from_slice(options);
+    let run = source.ctl(&args);
+    run.expect_status(0);
+    assert!(
+        run.stderr.contains("the guest is lost"),
+        "the risk is stated: {}",
+        run.stderr
+    );
+    let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    let report = &reply["report"];
+    let pc = &report["postcopy"];
+    assert!(pc.is_object(), "no post-copy figures: {report}");
+    let missing = pc["missing_pages"].as_u64().unwrap();
+    let demand = pc["pages_on_demand"].as_u64().unwrap();
+    let streamed = pc["pages_streamed"].as_u64().unwrap();
+    assert_eq!(demand + streamed, missing, "{pc}");
+    assert!(missing > 0, "{pc}");
+    assert_eq!(report["stop_reason"], "Postcopy", "{report}");
+    eprintln!(
+        "post-copy {cpus} vCPU {options:?}: total {} ms, downtime {} ms, residency {} ms, \
+         {demand} pages on demand, {streamed} streamed",
+        report["total_ms"], report["downtime_ms"], pc["time_to_residency_ms"]
+    );
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(
+        status,
+        Some(0),
+        "the source exits 0 once every page is over"
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > before + 2,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+    let (status, err) = dest.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0), "{err}");
+    assert!(err.contains("every page resident"), "{err}");
+}
+
+#[test]
+fn post_copy_at_once_1_vcpu() {
+    post_copy_on_loopback("1", &["--post-copy"]);
+}
+
+#[test]
+fn post_copy_at_once_2_vcpus() {
+    post_copy_on_loopback("2", &["--post-copy"]);
+}
+
+#[test]
+fn post_copy_after_2_rounds_1_vcpu() {
+    post_copy_on_loopback("1", &["--post-copy-after-rounds", "2"]);
+}
+
+#[test]
+fn post_copy_after_2_rounds_2_vcpus() {
+    post_copy_on_loopback("2", &["--post-copy-after-rounds", "2"]);
+}

@@ -16,7 +16,7 @@
 //! if either side or the link fails before `Resident`, **the guest is lost**.
 
 use std::io::{BufWriter, Read};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
@@ -203,7 +203,6 @@ pub struct PostcopySource<'a> {
 /// The source's end of the post-copy connection.
 pub(crate) struct SourceLink {
     w: StreamWriter<BufWriter<TcpStream>>,
-    stream: TcpStream,
     records: Receiver<Result<Record>>,
     timeout: Duration,
 }
@@ -231,7 +230,6 @@ impl SourceLink {
         w.flush()?;
         Ok(SourceLink {
             w,
-            stream,
             records,
             timeout: pc.timeout,
         })
@@ -287,10 +285,8 @@ impl SourceLink {
                     left -= n;
                     self.w.flush()?;
                 }
-                Some(Ok(Record::Resident)) if ended => {
-                    let _ = self.stream.shutdown(Shutdown::Both);
-                    return Ok(());
-                }
+                // The connection closes as the link is dropped.
+                Some(Ok(Record::Resident)) if ended => return Ok(()),
                 Some(Ok(Record::Resident)) => {
                     return Err(Error::Protocol {
                         offset: 0,
