@@ -383,6 +383,7 @@ impl Machine {
             dirty_tracking: caps.dirty_log_bitmap,
             restored: Default::default(),
             postcopy: Default::default(),
+            guest_lost: Default::default(),
             snapshot_temp: Default::default(),
         });
         let info = MachineInfo {
@@ -618,6 +619,7 @@ impl Machine {
             .postcopy
             .get()
             .and_then(|p| p.failure())
+            .or_else(|| self.core.guest_lost.get().cloned())
             .map(Error::MigrationGuestLost);
         if let Some(e) = lost.or(start_error).or(corrupt) {
             return Err(e);

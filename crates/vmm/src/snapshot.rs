@@ -62,6 +62,9 @@ pub struct Core {
     pub restored: std::sync::OnceLock<Arc<LazyRestore>>,
     /// Set on the destination of a post-copy migration: its failure, if any.
     pub postcopy: std::sync::OnceLock<Arc<restore::postcopy::Postcopy>>,
+    /// Set on the source when post-copy failed after the destination ran the guest: the
+    /// machine ends with this error.
+    pub guest_lost: std::sync::OnceLock<String>,
     /// The temporary file of a snapshot being written, removed if the machine ends first.
     pub snapshot_temp: std::sync::Mutex<SnapshotTemp>,
 }
@@ -342,7 +345,7 @@ impl MachineOps for Core {
                 Err(Error::MigrationOutcomeUnknown(e.to_string()))
             }
             Err(e @ migration::Error::PostcopyLost { .. }) => {
-                log::error!("migration to {addr}: {e}; this copy stops");
+                let _ = self.guest_lost.set(format!("migration to {addr}: {e}"));
                 Err(Error::MigrationGuestLost(e.to_string()))
             }
             Err(_) if cancel.is_cancelled() => Err(Error::Migration(format!("cancelled ({here})"))),
