@@ -138,8 +138,8 @@ pub fn start(
         exit: exit.clone(),
     });
     let link = incoming.link;
-    // The source may take its time between pages; a dead link is seen as EOF or a reset.
-    link.set_read_timeout(None)?;
+    // The link keeps the read timeout it was accepted with: until `End` the source sends
+    // without pause, so a silence that long means a source (or link) gone without a word.
     let server = Arc::new(Server {
         installed: bits(&spans),
         requested: bits(&spans),
