@@ -290,25 +290,54 @@ impl Server {
         }
     }
 
-    /// Installs pages that arrived, page by page (some may be present: a zero page given
-    /// to a fault never is, but a retried copy may be).
+    /// Installs pages that arrived: runs of pages still missing in one `UFFDIO_COPY` each
+    /// (a page that is present already is skipped by the page-wise retry).
     fn install(&self, addr: u64, data: &[u8]) -> io::Result<u64> {
         let pages = (data.len() / PAGE) as u64;
-        for i in 0..pages {
-            let (region, page) = self
-                .locate_guest(addr + i * PAGE_SIZE)
-                .ok_or_else(|| io::Error::other(format!("page {addr:#x} outside guest RAM")))?;
-            if !self.missing.get(region, page) || !claim(&self.installed, region, page) {
+        let (region, first) = self
+            .locate_guest(addr)
+            .filter(|&(r, p)| p + pages <= self.spans[r].pages)
+            .ok_or_else(|| io::Error::other(format!("pages at {addr:#x} outside guest RAM")))?;
+        let mut i = 0;
+        while i < pages {
+            let mine = |j: u64| {
+                self.missing.get(region, first + j) && claim(&self.installed, region, first + j)
+            };
+            if !mine(i) {
+                i += 1;
                 continue;
             }
-            let dst = self.host(region, page);
-            let src = &data[i as usize * PAGE..(i as usize + 1) * PAGE];
-            // SAFETY: `src` is this thread's own buffer; `dst` is one page of registered
-            // guest RAM, missing until now; the kernel copies atomically and wakes waiters.
-            let r = unsafe { self.uffd.copy(src.as_ptr().cast(), dst, PAGE, true) };
-            self.tolerate_present(r.map(|_| ()), dst, PAGE)?;
+            let mut n = 1;
+            while i + n < pages && mine(i + n) {
+                n += 1;
+            }
+            self.copy_run(
+                region,
+                first + i,
+                &data[i as usize * PAGE..(i + n) as usize * PAGE],
+            )?;
+            i += n;
         }
         Ok(pages)
+    }
+
+    /// One `UFFDIO_COPY` of a run this thread claimed; page by page if that fails part way.
+    fn copy_run(&self, region: usize, page: u64, src: &[u8]) -> io::Result<()> {
+        let dst = self.host(region, page);
+        // SAFETY: `src` is this thread's own buffer; `dst..dst + src.len()` lies inside one
+        // registered region (checked by `install`), pages nobody else installs (claimed);
+        // the kernel copies atomically per page and wakes waiters.
+        let whole = unsafe { self.uffd.copy(src.as_ptr().cast(), dst, src.len(), true) };
+        if matches!(whole, Ok(n) if n == src.len()) {
+            return Ok(());
+        }
+        for (k, chunk) in src.chunks_exact(PAGE).enumerate() {
+            let d = self.host(region, page + k as u64);
+            // SAFETY: as above, one page of the same run.
+            let r = unsafe { self.uffd.copy(chunk.as_ptr().cast(), d, PAGE, true) };
+            self.tolerate_present(r.map(|_| ()), d, PAGE)?;
+        }
+        Ok(())
     }
 
     fn install_zeroes(&self, addr: u64, count: u32) -> io::Result<u64> {
