@@ -16,7 +16,7 @@
 //! if either side or the link fails before `Resident`, **the guest is lost**.
 
 use std::io::{BufWriter, Read};
-use std::net::{TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
@@ -203,6 +203,9 @@ pub struct PostcopySource<'a> {
 /// The source's end of the post-copy connection.
 pub(crate) struct SourceLink {
     w: StreamWriter<BufWriter<TcpStream>>,
+    /// Shut down when the link is dropped: the return path's thread holds a copy of the
+    /// socket, which would otherwise keep the connection open after a failure.
+    stream: TcpStream,
     records: Receiver<Result<Record>>,
     timeout: Duration,
 }
@@ -230,18 +233,21 @@ impl SourceLink {
         w.flush()?;
         Ok(SourceLink {
             w,
+            stream,
             records,
             timeout: pc.timeout,
         })
     }
 
     /// Serves the destination until every page of `missing` is sent and it says it has them
-    /// all: requests first, the rest in address order.
+    /// all: requests first, the rest in address order. `progress` hears the bytes sent and
+    /// the pages left after each step.
     pub fn serve(
         mut self,
         layout: &Layout,
         mut missing: Bitmap,
         report: &mut PostcopyReport,
+        progress: &mut dyn FnMut(u64, u64),
     ) -> Result<()> {
         let mut cursor = (0usize, 0u64);
         let mut left = missing.count();
@@ -317,6 +323,7 @@ impl SourceLink {
                 }
             }
             report.bytes = self.w.bytes_written();
+            progress(report.bytes, left);
         }
     }
 
@@ -425,6 +432,12 @@ fn next_set(b: &Bitmap, region: usize, from: u64) -> Option<u64> {
         }
         w += 1;
         bits = *words.get(w)?;
+    }
+}
+
+impl Drop for SourceLink {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
     }
 }
 

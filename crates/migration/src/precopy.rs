@@ -888,7 +888,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         };
         self.meter
             .emit(self.bytes_written(), report.missing_pages * PAGE_SIZE, true);
-        link.serve(&self.layout, missing, &mut report)?;
+        let base = self.bytes_written();
+        let meter = &mut self.meter;
+        link.serve(&self.layout, missing, &mut report, &mut |bytes, left| {
+            meter.emit(base + bytes, left * PAGE_SIZE, false)
+        })?;
         report.time_to_residency = t_pause.elapsed();
         log::info!(
             "post-copy: {} pages in {:.1} ms after the pause ({} on demand in {} requests, {} streamed)",
