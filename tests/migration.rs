@@ -1666,3 +1666,144 @@ fn restore_refuses_options_it_would_ignore() {
     assert!(vm.running());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// Post-copy
+
+/// Migrates a dirtying guest with post-copy `options` and checks that it goes on intact on
+/// the destination, with the post-copy figures reported.
+fn post_copy_on_loopback(cpus: &str, options: &[&str]) {
+    let dir = scratch(&format!("postcopy-{cpus}-{}", options.join("")));
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let shape = ["--memory", "256M", "--cpus", cpus];
+    let mut dest_args = vec!["--incoming", &listen];
+    dest_args.extend_from_slice(&shape);
+    let mut dest = Vm::start(&dest_args, &dir, "dest", true);
+    let mut source = start_dirty_source(&dir, &shape, 32);
+    let before = last_pass(&source.output());
+    let mut args = vec!["--json", "migrate", &listen];
+    args.extend_from_slice(options);
+    let run = source.ctl(&args);
+    run.expect_status(0);
+    assert!(
+        run.stderr.contains("the guest is lost"),
+        "the risk is stated: {}",
+        run.stderr
+    );
+    let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    let report = &reply["report"];
+    let pc = &report["postcopy"];
+    assert!(pc.is_object(), "no post-copy figures: {report}");
+    let missing = pc["missing_pages"].as_u64().unwrap();
+    let demand = pc["pages_on_demand"].as_u64().unwrap();
+    let streamed = pc["pages_streamed"].as_u64().unwrap();
+    assert_eq!(demand + streamed, missing, "{pc}");
+    assert!(missing > 0, "{pc}");
+    assert_eq!(report["stop_reason"], "Postcopy", "{report}");
+    eprintln!(
+        "post-copy {cpus} vCPU {options:?}: total {} ms, downtime {} ms, residency {} ms, \
+         {demand} pages on demand, {streamed} streamed",
+        report["total_ms"], report["downtime_ms"], pc["time_to_residency_ms"]
+    );
+    let (status, _) = source.wait(Duration::from_secs(30));
+    assert_eq!(
+        status,
+        Some(0),
+        "the source exits 0 once every page is over"
+    );
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&dest.output()) > before + 2,
+        "the migrated guest's progress",
+    );
+    assert_intact(&dest.output());
+    dest.ctl(&["shutdown"]).expect_status(0);
+    let (status, err) = dest.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0), "{err}");
+}
+
+#[test]
+fn post_copy_at_once_1_vcpu() {
+    post_copy_on_loopback("1", &["--post-copy"]);
+}
+
+#[test]
+fn post_copy_at_once_2_vcpus() {
+    post_copy_on_loopback("2", &["--post-copy"]);
+}
+
+#[test]
+fn post_copy_after_2_rounds_1_vcpu() {
+    post_copy_on_loopback("1", &["--post-copy-after-rounds", "2"]);
+}
+
+#[test]
+fn post_copy_after_2_rounds_2_vcpus() {
+    post_copy_on_loopback("2", &["--post-copy-after-rounds", "2"]);
+}
+
+#[test]
+fn post_copy_cut_before_the_switch_leaves_the_source_running() {
+    // Round 0 takes seconds at 20 MB/s: the cut comes long before the switch.
+    failed_migration_over(
+        "postcopy-cut-before",
+        "256M",
+        Some((Fault::CutAfter(3 << 20), 0)),
+        None,
+        &["--post-copy-after-rounds", "2", "--connections", "1"],
+    );
+}
+
+/// Lines of `text` that say the guest is lost.
+fn loss_lines(text: &str) -> usize {
+    text.lines()
+        .filter(|l| l.contains("the guest is lost"))
+        .count()
+}
+
+#[test]
+fn post_copy_cut_after_the_switch_loses_the_guest_on_both_sides_in_one_line() {
+    let dir = scratch("postcopy-cut-after");
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let mut dest = Vm::start(
+        &["--incoming", &listen, "--memory", "256M"],
+        &dir,
+        "dest",
+        false,
+    );
+    let mut source = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    // With one connection, the post-copy connection is the relay's second: cut it after
+    // 2 MiB of pages, with the guest running on the destination.
+    let relay = relay_nth(Fault::CutAfter(2 << 20), 1, port);
+    let target = format!("tcp:127.0.0.1:{relay}");
+    let started = Instant::now();
+    let run = source.ctl(&[
+        "migrate",
+        &target,
+        "--post-copy",
+        "--connections",
+        "1",
+        "--max-bandwidth",
+        "20000000",
+    ]);
+    assert_eq!(
+        run.status,
+        Some(2),
+        "the migration must fail:\n{}",
+        run.stdout
+    );
+    assert!(run.stderr.contains("the guest is lost"), "{}", run.stderr);
+    let (src_status, src_err) = source.wait(Duration::from_secs(30));
+    let (dst_status, dst_err) = dest.wait(Duration::from_secs(30));
+    eprintln!("source: {src_err}\ndestination: {dst_err}");
+    assert!(started.elapsed() < Duration::from_secs(60), "no hang");
+    assert_ne!(src_status, Some(0), "the source stops: {src_err}");
+    assert_ne!(dst_status, Some(0), "the destination stops: {dst_err}");
+    assert_eq!(loss_lines(&src_err), 1, "one line on the source: {src_err}");
+    assert_eq!(
+        loss_lines(&dst_err),
+        1,
+        "one line on the destination: {dst_err}"
+    );
+}

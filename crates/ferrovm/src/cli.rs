@@ -322,6 +322,13 @@ pub enum CtlRequest {
         /// none, lz4 or zstd. A destination of an earlier build needs none.
         #[arg(long, value_name = "auto|none|lz4|zstd")]
         compress: Option<String>,
+        /// Post-copy at once: the destination runs the guest right away and fetches pages on
+        /// demand. RISK: if the link fails before every page arrived, the guest is lost.
+        #[arg(long, conflicts_with = "post_copy_after_rounds")]
+        post_copy: bool,
+        /// Pre-copy N rounds, then switch to post-copy (same risk as --post-copy).
+        #[arg(long, value_name = "N")]
+        post_copy_after_rounds: Option<u32>,
     },
     /// Stop the migration in progress; the guest runs on here (or stays paused if it was).
     MigrateCancel,

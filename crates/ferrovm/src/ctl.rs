@@ -51,6 +51,8 @@ fn http_request(
             warm,
             connections,
             compress,
+            post_copy,
+            post_copy_after_rounds,
         } => (
             "PUT",
             "/api/v1/vm.send-migration",
@@ -64,6 +66,8 @@ fn http_request(
                 "warm": warm,
                 "connections": connections,
                 "compress": compress,
+                "post_copy": post_copy,
+                "post_copy_after_rounds": post_copy_after_rounds,
             })),
         ),
     })
@@ -110,6 +114,20 @@ fn migrate(
     timeout: Duration,
 ) -> anyhow::Result<Answer> {
     interrupt::install()?;
+    if let CtlRequest::Migrate {
+        post_copy,
+        post_copy_after_rounds,
+        ..
+    } = &args.request
+    {
+        if *post_copy || post_copy_after_rounds.is_some() {
+            eprintln!(
+                "post-copy: once the destination runs the guest, its memory is split between both \
+                 hosts; if the link or either host fails before every page arrived, the guest \
+                 is lost"
+            );
+        }
+    }
     let socket = args.api_socket.clone();
     let (tx, done) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

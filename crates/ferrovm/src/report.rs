@@ -25,4 +25,18 @@ pub fn print_migration(v: &Value) {
         report["bytes_total"].as_u64().unwrap_or(0) as f64 / 1048576.0,
         report["converged"],
     );
+    let pc = &report["postcopy"];
+    if pc.is_object() {
+        println!(
+            "post-copy after {} rounds: {} pages missing at the switch, {} fetched on demand \
+             ({} requests), {} streamed, {:.1} MiB; full residency {:.1} ms after the pause",
+            pc["after_rounds"].as_u64().unwrap_or(0),
+            pc["missing_pages"].as_u64().unwrap_or(0),
+            pc["pages_on_demand"].as_u64().unwrap_or(0),
+            pc["requests"].as_u64().unwrap_or(0),
+            pc["pages_streamed"].as_u64().unwrap_or(0),
+            pc["bytes"].as_u64().unwrap_or(0) as f64 / 1048576.0,
+            pc["time_to_residency_ms"].as_f64().unwrap_or(0.0),
+        );
+    }
 }

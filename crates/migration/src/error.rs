@@ -116,6 +116,8 @@ pub enum Error {
     #[error("outcome unknown: the destination may be running the guest ({cause}); the guest stays paused here")]
     OutcomeUnknown { cause: String },
     /// The peer reported an error (an `Error` frame).
+    #[error("post-copy failed and the guest is lost ({cause}): its memory was split between source and destination")]
+    PostcopyLost { cause: String },
     #[error("the {peer} reported an error: {message}")]
     Peer { peer: &'static str, message: String },
     /// Guest RAM as described by the VMM is unusable (overlapping, unaligned, read-only...).

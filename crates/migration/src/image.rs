@@ -298,6 +298,7 @@ fn frame_name(f: &Frame) -> &'static str {
         Frame::Images(_) => "Images",
         Frame::DataPages { .. } => "DataPages",
         Frame::Connections { .. } => "Connections",
+        Frame::Postcopy(_) => "Postcopy",
         Frame::Join { .. } => "Join",
         Frame::CompressedPages(_) => "CompressedPages",
         Frame::SamePage { .. } => "SamePage",

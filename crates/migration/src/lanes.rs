@@ -233,7 +233,7 @@ impl Drop for Lanes {
     }
 }
 
-fn accept_by(listener: &TcpListener, deadline: Instant) -> Result<TcpStream> {
+pub(crate) fn accept_by(listener: &TcpListener, deadline: Instant) -> Result<TcpStream> {
     let setup = |e| Error::io("accepting a data connection", e);
     listener.set_nonblocking(true).map_err(setup)?;
     let res = loop {

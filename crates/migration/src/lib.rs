@@ -20,6 +20,7 @@ mod error;
 mod image;
 mod lanes;
 mod pages;
+mod postcopy;
 mod precopy;
 mod ram;
 mod receive;
@@ -38,8 +39,13 @@ pub use image::{
 };
 pub use lanes::{ParallelReceive, SpawnLane};
 pub use pages::is_zero;
+pub use postcopy::{
+    Arrival, ArrivalReader, PostcopyIncoming, PostcopyReport, PostcopySource, Record, Switch,
+    MAX_REQUEST_PAGES,
+};
 pub use precopy::{
-    migrate, migrate_parallel, migrate_threaded, snapshot, DirtySource, MigrationParams,
+    migrate, migrate_parallel, migrate_postcopy, migrate_threaded, snapshot, DirtySource,
+    MigrationParams,
     MigrationReport, Phase, Progress, RoundStats, SnapshotReport, StopReason, VmControl,
     THROTTLE_STEPS,
 };

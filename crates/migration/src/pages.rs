@@ -753,6 +753,23 @@ impl PageApplier {
         self.maybe_nonzero = Bitmap::new(&self.layout.page_counts());
     }
 
+    /// [`PageApplier::check_complete`], where the pages of `later` are still to come (post-copy).
+    pub fn check_complete_except(&self, later: &Bitmap) -> Result<()> {
+        let mut torn = self.torn.clone();
+        for (t, l) in torn.regions_mut().iter_mut().zip(later.regions()) {
+            for (tw, lw) in t.iter_mut().zip(l) {
+                *tw &= !lw;
+            }
+        }
+        match torn.count() {
+            0 => Ok(()),
+            count => Err(Error::TornPages {
+                count,
+                first_addr: 0,
+            }),
+        }
+    }
+
     /// Fails if a page torn in a live round was never sent again.
     pub fn check_complete(&self) -> Result<()> {
         if self.torn_count == 0 {

@@ -33,6 +33,7 @@ use crate::dedup::Refs;
 use crate::error::{Error, Result};
 use crate::lanes::SpawnLane;
 use crate::pages::{send_pages, send_pages_striped, Sent};
+use crate::postcopy::{PostcopyReport, PostcopySource, SourceLink, Switch};
 use crate::ram::{GuestRam, Layout, PAGE_SIZE};
 use crate::resident::{prefetch_swapped, touched_in, ResidencyMethod};
 use crate::senders::{LaneKit, RoundSender, Threads};
@@ -161,6 +162,8 @@ pub enum StopReason {
     MaxRounds,
     /// `max_time` reached.
     MaxTime,
+    /// Post-copy was asked for: the source switched after the rounds it was told to run.
+    Postcopy,
 }
 
 /// What a migration did, measured. `converged: false` means the stop-and-copy ran with more
@@ -204,6 +207,10 @@ pub struct MigrationReport {
     pub compression: Compression,
     pub compressed_page_bytes: u64,
     pub compressed_frame_bytes: u64,
+    /// After a switch to post-copy: what it did (`downtime` then ends with the destination
+    /// running, `total_time` once it holds every page).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub postcopy: Option<PostcopyReport>,
 }
 
 /// Where the migration is.
@@ -213,6 +220,9 @@ pub enum Phase {
     Precopy,
     StopAndCopy,
     WaitingAck,
+    /// The destination runs the guest; the remaining pages go on demand and in the
+    /// background.
+    Postcopy,
 }
 
 /// Progress, reported during rounds (at most every 100 ms) and at every round's end.
@@ -291,6 +301,10 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     compressor: Compressor,
     /// Pages sent as `SamePage` markers, with the pages they were copied from.
     same_refs: Refs,
+    /// Post-copy, if asked for.
+    postcopy: Option<&'a PostcopySource<'a>>,
+    /// The destination acknowledged that it runs the guest.
+    acked: bool,
 }
 
 /// Migrates a running VM: streams its memory in pre-copy rounds to `out`, pauses it, sends
@@ -363,15 +377,49 @@ where
     P: FnMut(&Progress),
 {
     run_migration(
-        ram, config, dirty, vm, out, data, ack_in, params, progress, None,
+        ram, config, dirty, vm, out, data, ack_in, params, None, progress, None,
     )
 }
 
-/// [`migrate_parallel`] with a sending thread per data connection, started with `spawn` (the
-/// VMM passes its sandboxed spawner): each thread does the zero check, CRC-32, compression
-/// and writes of its share of the pages, while this thread sends its own share on `out`
-/// and keeps the order of the migration. Any thread's failure fails the migration, with the
-/// guaranties of [`migrate`].
+/// [`migrate_parallel`], switching to post-copy when `postcopy` is given: after
+/// `after_rounds` live rounds the source pauses, sends its state and the set of pages the
+/// destination still lacks, and serves those pages (on request first, the rest in the
+/// background) over a connection of their own until the destination holds every one; only
+/// then does this return. Until the destination acknowledges that it runs the guest,
+/// failures behave as in [`migrate`]; after it, a failure returns [`Error::PostcopyLost`]
+/// with the guest left paused here: its memory is split between both hosts, and it is
+/// lost.
+#[allow(clippy::too_many_arguments)]
+pub fn migrate_postcopy<G, D, V, W, R, P>(
+    ram: &G,
+    config: &MigrationConfig,
+    dirty: &mut D,
+    vm: &mut V,
+    out: W,
+    data: Vec<W>,
+    ack_in: R,
+    params: &MigrationParams,
+    postcopy: Option<&PostcopySource<'_>>,
+    progress: P,
+) -> Result<MigrationReport>
+where
+    G: GuestRam + ?Sized,
+    D: DirtySource + ?Sized,
+    V: VmControl + ?Sized,
+    W: Write,
+    R: Read,
+    P: FnMut(&Progress),
+{
+    run_migration(
+        ram, config, dirty, vm, out, data, ack_in, params, postcopy, progress, None,
+    )
+}
+
+/// [`migrate_postcopy`] with a sending thread per data connection, started with `spawn`
+/// (the VMM passes its sandboxed spawner): each thread does the zero check, CRC-32,
+/// compression and writes of its share of the pages, while this thread sends its own share
+/// on `out` and keeps the order of the migration. Any thread's failure fails the migration,
+/// with the guaranties of [`migrate`].
 #[allow(clippy::too_many_arguments)]
 pub fn migrate_threaded<G, D, V, W, R, P>(
     ram: &G,
@@ -382,6 +430,7 @@ pub fn migrate_threaded<G, D, V, W, R, P>(
     data: Vec<W>,
     ack_in: R,
     params: &MigrationParams,
+    postcopy: Option<&PostcopySource<'_>>,
     progress: P,
     spawn: SpawnLane<'_>,
 ) -> Result<MigrationReport>
@@ -403,6 +452,7 @@ where
         data,
         ack_in,
         params,
+        postcopy,
         progress,
         Some(&threads),
     )
@@ -418,6 +468,7 @@ fn run_migration<G, D, V, W, R, P>(
     data: Vec<W>,
     ack_in: R,
     params: &MigrationParams,
+    postcopy: Option<&PostcopySource<'_>>,
     progress: P,
     threads: Option<&dyn RoundSender<W>>,
 ) -> Result<MigrationReport>
@@ -479,6 +530,8 @@ where
         stages: SourceStages::default(),
         compressor: Compressor::new(params.compression),
         same_refs: Refs::default(),
+        postcopy,
+        acked: false,
     };
     match eng.run(config, dirty, vm) {
         Ok(report) => {
@@ -487,6 +540,15 @@ where
                 vm.throttle(0);
             }
             Ok(report)
+        }
+        Err(e) if eng.acked => {
+            // The destination ran the guest with part of its memory still here.
+            if eng.tracking {
+                dirty.stop_tracking();
+            }
+            Err(Error::PostcopyLost {
+                cause: e.to_string(),
+            })
         }
         Err(e) if eng.final_sent && !matches!(e, Error::Peer { .. }) => {
             // Only a refusal from the destination proves it does not run the guest; anything
@@ -763,7 +825,14 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let residency_method = residency.method;
         self.meter
             .emit(self.bytes_written(), touched * PAGE_SIZE, true);
-        self.round(&residency.pages, true, touched)?;
+        let switch_after = self.postcopy.map(|p| p.after_rounds);
+        // Post-copy from the start: every touched page is missing at the destination.
+        let unsent = if switch_after == Some(0) {
+            Some(residency.pages)
+        } else {
+            self.round(&residency.pages, true, touched)?;
+            None
+        };
         drop(residency.swapped);
 
         let mut budget = self.params.max_rounds;
@@ -779,6 +848,9 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             let estimate = Duration::from_secs_f64(((found * PAGE_SIZE) as f64 / bw).min(1e9));
             self.meter
                 .emit(self.bytes_written(), found * PAGE_SIZE, true);
+            if switch_after.is_some_and(|n| self.rounds.len() as u32 >= n) {
+                break (d, StopReason::Postcopy, Duration::ZERO);
+            }
             if estimate <= target {
                 break (d, StopReason::Converged, estimate);
             }
@@ -826,8 +898,18 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let mut fin = self.take_dirty(dirty)?;
         fin.union_with(&carry);
         drop(carry);
+        if let Some(u) = &unsent {
+            fin.union_with(u);
+        }
+        drop(unsent);
         let found = fin.count();
-        self.round(&fin, false, found)?;
+        let link = match self.postcopy {
+            Some(pc) => Some(self.switch(pc, &fin)?),
+            None => {
+                self.round(&fin, false, found)?;
+                None
+            }
+        };
         let sent: (u64, u64) = self
             .rounds
             .iter()
@@ -845,6 +927,10 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         self.meter.emit(self.bytes_written(), 0, true);
         self.hand_over(vm)?;
         let downtime = t_pause.elapsed();
+        let postcopy = match link {
+            Some(link) => Some(self.serve_postcopy(link, fin, t_pause)?),
+            None => None,
+        };
 
         let total_pages = self.layout.total_pages();
         Ok(MigrationReport {
@@ -895,7 +981,53 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
                     .iter()
                     .map(|l| l.comp.compressed_bytes)
                     .sum::<u64>(),
+            postcopy,
         })
+    }
+
+    /// Opens the post-copy connection and sends the switch in place of the final round.
+    fn switch(&mut self, pc: &PostcopySource<'_>, missing: &Bitmap) -> Result<SourceLink> {
+        let token = lane_token();
+        let link = SourceLink::open(pc, token)?;
+        let switch = Switch {
+            token,
+            missing: missing.clone(),
+        };
+        self.w.write_frame(&Frame::Postcopy(switch.encode()))?;
+        Ok(link)
+    }
+
+    /// The destination runs the guest: serves the pages it still lacks until it has all.
+    fn serve_postcopy(
+        &mut self,
+        link: SourceLink,
+        missing: Bitmap,
+        t_pause: Instant,
+    ) -> Result<PostcopyReport> {
+        self.acked = true;
+        self.meter.phase = Phase::Postcopy;
+        let mut report = PostcopyReport {
+            after_rounds: self.rounds.len() as u32,
+            missing_pages: missing.count(),
+            ..PostcopyReport::default()
+        };
+        self.meter
+            .emit(self.bytes_written(), report.missing_pages * PAGE_SIZE, true);
+        let base = self.bytes_written();
+        let meter = &mut self.meter;
+        link.serve(&self.layout, missing, &mut report, &mut |bytes, left| {
+            meter.emit(base + bytes, left * PAGE_SIZE, false)
+        })?;
+        report.time_to_residency = t_pause.elapsed();
+        log::info!(
+            "post-copy: {} pages in {:.1} ms after the pause ({} on demand in {} requests, {} streamed)",
+            report.missing_pages,
+            report.time_to_residency.as_secs_f64() * 1000.0,
+            report.pages_on_demand,
+            report.requests,
+            report.pages_streamed
+        );
+        Ok(report)
     }
 
     /// After `End`: the destination applies the state and replies `Handover`; the source

@@ -11,6 +11,7 @@ use crate::config::{ConfigCheck, MigrationConfig};
 use crate::error::{Error, Result};
 use crate::lanes::{lock, Lanes, ParallelReceive};
 use crate::pages::{apply_compressed, apply_pages_shared, compressed_frame_len, PageApplier};
+use crate::postcopy::{accept_link, PostcopyIncoming, Switch};
 use crate::ram::{GuestRam, Layout};
 use crate::stages::DestinationStages;
 use crate::stream::{
@@ -97,6 +98,10 @@ pub struct IncomingResult<W: Write> {
     pub report: IncomingReport,
     /// Send the acknowledgement through this once the guest runs.
     pub ack: AckSender<W>,
+    /// Set when the source switched to post-copy: these pages are still missing, and come
+    /// on the post-copy connection (see `crate::postcopy`). The guest may run at once, but
+    /// only with guest RAM registered so that every access to a missing page waits for it.
+    pub postcopy: Option<PostcopyIncoming>,
 }
 
 /// A restored snapshot.
@@ -148,11 +153,12 @@ where
     W: Write,
 {
     match receive_core(ram, input, Some(&mut ack), expected, parallel) {
-        Ok((state, config, report)) => Ok(IncomingResult {
+        Ok((state, config, report, postcopy)) => Ok(IncomingResult {
             state,
             config,
             report,
             ack: AckSender { w: ack },
+            postcopy,
         }),
         Err(e) => {
             if let Err(t) = send_reply(&mut ack, &Frame::Error(format!("destination: {e}"))) {
@@ -170,8 +176,13 @@ where
     G: GuestRam + ?Sized,
     R: Read,
 {
-    let (state, config, report) =
+    let (state, config, report, postcopy) =
         receive_core::<G, R, std::io::Sink>(ram, input, None, expected, None)?;
+    if postcopy.is_some() {
+        return Err(Error::Param(
+            "a post-copy stream cannot be restored from a file".into(),
+        ));
+    }
     Ok(Restored {
         state,
         config,
@@ -185,7 +196,12 @@ fn receive_core<G, R, W>(
     mut replies: Option<&mut W>,
     expected: &ConfigCheck,
     parallel: Option<&ParallelReceive<'_>>,
-) -> Result<(Vec<u8>, MigrationConfig, IncomingReport)>
+) -> Result<(
+    Vec<u8>,
+    MigrationConfig,
+    IncomingReport,
+    Option<PostcopyIncoming>,
+)>
 where
     G: GuestRam + ?Sized,
     R: Read,
@@ -237,6 +253,7 @@ where
     let mut seen_final = false;
     let mut state: Vec<u8> = Vec::new();
     let mut state_frames = 0u32;
+    let mut switch: Option<Switch> = None;
     loop {
         let at = reader.offset();
         let protocol = |reason: String| Error::Protocol { offset: at, reason };
@@ -353,7 +370,24 @@ where
                     )));
                 }
                 let applier = lock(&applier)?;
-                applier.check_complete()?;
+                let postcopy = match switch.take() {
+                    Some(s) => {
+                        let p = parallel.ok_or_else(|| {
+                            protocol("post-copy needs the listener for its connection".into())
+                        })?;
+                        // A page torn in a live round must be among the missing ones.
+                        applier.check_complete_except(&s.missing)?;
+                        Some(PostcopyIncoming {
+                            link: accept_link(p.listener, s.token, p.timeout)?,
+                            missing: s.missing,
+                            ranges: reader_ranges.clone(),
+                        })
+                    }
+                    None => {
+                        applier.check_complete()?;
+                        None
+                    }
+                };
                 let lane_totals = lanes
                     .as_ref()
                     .map_or((0, Duration::ZERO, Duration::ZERO), |l| {
@@ -376,7 +410,7 @@ where
                         zero: applier.zero_time,
                     },
                 };
-                return Ok((state, config, report));
+                return Ok((state, config, report, postcopy));
             }
             Frame::Error(message) => {
                 return Err(Error::Peer {
@@ -385,6 +419,25 @@ where
                 })
             }
             Frame::Config(_) => return Err(protocol("a second Config frame".into())),
+            Frame::Postcopy(payload) => {
+                if seen_final {
+                    return Err(protocol(
+                        "a switch to post-copy after the final round".into(),
+                    ));
+                }
+                if pages != 0 || zero_pages != 0 {
+                    return Err(protocol("a switch to post-copy inside a round".into()));
+                }
+                let counts: Vec<u64> = reader_ranges
+                    .iter()
+                    .map(|r| r.size / crate::ram::PAGE_SIZE)
+                    .collect();
+                switch = Some(Switch::decode(&payload, &counts)?);
+                seen_final = true;
+                if let Some(l) = lanes.take() {
+                    drop(l);
+                }
+            }
             Frame::Connections { count, token } => {
                 let first = rounds.is_empty() && pages == 0 && zero_pages == 0;
                 let par = match parallel {

@@ -103,6 +103,9 @@ pub enum Kind {
     /// A page with the same content as a page sent before on the same connection: the
     /// receiver copies it from there (and checks its CRC-32).
     SamePage = 17,
+    /// Control connection, in place of the final round: the source switches to post-copy
+    /// (payload: see `crate::postcopy::Switch`). Numbered apart from the pre-copy kinds.
+    Postcopy = 32,
 }
 
 impl Kind {
@@ -125,6 +128,7 @@ impl Kind {
             15 => Kind::Join,
             16 => Kind::CompressedPages,
             17 => Kind::SamePage,
+            32 => Kind::Postcopy,
             _ => return None,
         })
     }
@@ -148,15 +152,18 @@ impl Kind {
             Kind::Join => "Join",
             Kind::CompressedPages => "CompressedPages",
             Kind::SamePage => "SamePage",
+            Kind::Postcopy => "Postcopy",
         }
     }
 
     fn max_len(self) -> u32 {
         match self {
             Kind::Config => MAX_CONFIG_LEN,
-            Kind::Pages | Kind::State | Kind::DataPages | Kind::CompressedPages => {
-                MAX_FRAME_PAYLOAD
-            }
+            Kind::Pages
+            | Kind::State
+            | Kind::DataPages
+            | Kind::CompressedPages
+            | Kind::Postcopy => MAX_FRAME_PAYLOAD,
             Kind::Images => IMAGES_FIXED_LEN + IMAGE_ENTRY_LEN * MAX_IMAGE_REGIONS,
             Kind::ZeroPages | Kind::Connections | Kind::Join => PAGES_FIXED_LEN as u32,
             Kind::RoundEnd => ROUND_END_LEN,
@@ -319,6 +326,9 @@ pub enum Frame {
         crc: u32,
         live: bool,
     },
+    /// Control connection: the switch to post-copy, its payload still encoded (decoded
+    /// against the guest's RAM layout by the receiver).
+    Postcopy(Vec<u8>),
 }
 
 /// A decoded `CompressedPages` frame (see [`Frame::CompressedPages`]).
@@ -486,6 +496,15 @@ pub fn encode_frame(frame: &Frame) -> Result<Vec<u8>> {
             p.extend_from_slice(&e.total_pages.to_le_bytes());
             p.extend_from_slice(&e.total_zero_pages.to_le_bytes());
             encode_simple(Kind::End, &p, &mut out);
+        }
+        Frame::Postcopy(p) => {
+            if p.len() > MAX_FRAME_PAYLOAD as usize {
+                return Err(Error::Param(format!(
+                    "the post-copy switch is {} bytes, more than a frame carries",
+                    p.len()
+                )));
+            }
+            encode_simple(Kind::Postcopy, p, &mut out);
         }
         Frame::Error(msg) => {
             let mut m = msg.as_bytes();
@@ -1067,6 +1086,7 @@ impl<R: Read> StreamReader<R> {
                 })
             }
             Kind::State => Frame::State(payload),
+            Kind::Postcopy => Frame::Postcopy(payload),
             Kind::End => {
                 if u32_at(4) != 0 {
                     return Err(malformed("reserved field is not zero".into()));

@@ -78,6 +78,22 @@ pub struct MigrateRequest {
     /// compressing), "none", "lz4" or "zstd".
     #[serde(default)]
     pub compress: Option<String>,
+    /// Switch to post-copy right away (no pre-copy round): the destination runs the guest at
+    /// once and fetches missing pages on demand. If the link fails before every page is
+    /// there, the guest is lost.
+    #[serde(default)]
+    pub post_copy: bool,
+    /// Pre-copy this many rounds, then switch to post-copy (same risk as `post_copy`).
+    #[serde(default)]
+    pub post_copy_after_rounds: Option<u32>,
+}
+
+impl MigrateRequest {
+    /// The live rounds before the switch to post-copy, if post-copy is asked for.
+    pub fn post_copy_rounds(&self) -> Option<u32> {
+        self.post_copy_after_rounds
+            .or(if self.post_copy { Some(0) } else { None })
+    }
 }
 
 /// What the API reports about the machine.
@@ -128,6 +144,7 @@ impl Reply {
             Error::Conflict(_) => 409,
             Error::Migration(_)
             | Error::MigrationOutcomeUnknown(_)
+            | Error::MigrationGuestLost(_)
             | Error::Io(_)
             | Error::State(_)
             | Error::Sandbox(_) => 500,
@@ -312,8 +329,12 @@ impl Api {
             progress,
         );
         *lock(&self.migration) = None;
+        let lost = matches!(result, Err(Error::MigrationGuestLost(_)));
         let mut reply = Reply::from_result(result);
-        if reply.status == 200 {
+        if lost {
+            // Neither copy of the guest is whole: this one stops, with the error.
+            reply.then_exit = Some(ExitReason::Failed);
+        } else if reply.status == 200 {
             // The destination runs the guest now: this copy must never run again (its vCPUs
             // stay paused until the process ends).
             reply.then_exit = Some(ExitReason::Migrated);

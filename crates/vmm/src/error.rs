@@ -41,6 +41,10 @@ pub enum Error {
     /// guest: the guest stays paused here.
     #[error("migration: {0}")]
     MigrationOutcomeUnknown(String),
+    /// Post-copy failed after the destination ran the guest: neither copy is whole, the
+    /// guest is lost and this machine stops.
+    #[error("migration: {0}")]
+    MigrationGuestLost(String),
     #[error("machine state: {0}")]
     State(String),
     #[error("{0}")]

@@ -383,6 +383,8 @@ impl Machine {
             dirty_tracking: caps.dirty_log_bitmap,
             vhost_net: config.nets.iter().any(|n| n.vhost),
             restored: Default::default(),
+            postcopy: Default::default(),
+            guest_lost: Default::default(),
             snapshot_temp: Default::default(),
         });
         let info = MachineInfo {
@@ -463,6 +465,21 @@ impl Machine {
                 let incoming =
                     snapshot::receive_migration(&listener, &self.core.memory, &self.core.config)?;
                 log::info!("migration received: {}", incoming.figures);
+                if let Some(pc) = incoming.postcopy {
+                    // Before anything restores state: every touch of a missing page waits.
+                    let started =
+                        crate::restore::postcopy::start(pc, &self.core.memory, &self.context.exit);
+                    match started {
+                        Ok(p) => {
+                            let _ = self.core.postcopy.set(p);
+                        }
+                        Err(e) => {
+                            let mut ack = incoming.ack;
+                            let _ = ack.fail(&format!("destination: {e}"));
+                            return Err(Error::Migration(format!("post-copy: {e}")));
+                        }
+                    }
+                }
                 (incoming.state, Some(incoming.ack))
             }
         };
@@ -598,7 +615,14 @@ impl Machine {
             m.stop();
             m.failure()
         });
-        if let Some(e) = start_error.or(corrupt) {
+        let lost = self
+            .core
+            .postcopy
+            .get()
+            .and_then(|p| p.failure())
+            .or_else(|| self.core.guest_lost.get().cloned())
+            .map(Error::MigrationGuestLost);
+        if let Some(e) = lost.or(start_error).or(corrupt) {
             return Err(e);
         }
         match outcome {

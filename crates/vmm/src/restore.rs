@@ -23,6 +23,33 @@
 
 #[cfg(target_os = "linux")]
 mod pager;
+#[cfg(target_os = "linux")]
+pub mod postcopy;
+
+/// Elsewhere there is no userfaultfd: post-copy is refused with a clear error.
+#[cfg(not(target_os = "linux"))]
+pub mod postcopy {
+    use std::sync::Arc;
+
+    /// Never made here.
+    pub struct Postcopy;
+
+    impl Postcopy {
+        pub fn failure(&self) -> Option<String> {
+            None
+        }
+    }
+
+    pub fn start(
+        _incoming: migration::PostcopyIncoming,
+        _memory: &crate::memory::GuestMemory,
+        _exit: &Arc<devices::exit::ExitRequest>,
+    ) -> std::io::Result<Arc<Postcopy>> {
+        Err(std::io::Error::other(
+            "post-copy needs a userfaultfd, which only Linux has",
+        ))
+    }
+}
 
 use std::fs::File;
 use std::io::BufReader;

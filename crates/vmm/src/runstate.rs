@@ -329,6 +329,7 @@ impl Supervisor {
             Err(Error::MigrationOutcomeUnknown(_)) => {
                 busy.settle(RunState::MigrationOutcomeUnknown)
             }
+            Err(Error::MigrationGuestLost(_)) => busy.settle(RunState::Stopping),
             Err(_) => {}
         }
         result

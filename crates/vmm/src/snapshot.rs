@@ -63,6 +63,11 @@ pub struct Core {
     pub vhost_net: bool,
     /// Set after a lazy restore: guest RAM is served from that snapshot file.
     pub restored: std::sync::OnceLock<Arc<LazyRestore>>,
+    /// Set on the destination of a post-copy migration: its failure, if any.
+    pub postcopy: std::sync::OnceLock<Arc<restore::postcopy::Postcopy>>,
+    /// Set on the source when post-copy failed after the destination ran the guest: the
+    /// machine ends with this error.
+    pub guest_lost: std::sync::OnceLock<String>,
     /// The temporary file of a snapshot being written, removed if the machine ends first.
     pub snapshot_temp: std::sync::Mutex<SnapshotTemp>,
 }
@@ -232,6 +237,7 @@ pub fn report_json(r: &MigrationReport) -> Value {
         "compression": r.compression,
         "compressed_page_bytes": r.compressed_page_bytes,
         "compressed_frame_bytes": r.compressed_frame_bytes,
+        "postcopy": r.postcopy,
     })
 }
 
@@ -340,7 +346,7 @@ impl MachineOps for Core {
         let _ = stream.set_nodelay(true);
         cancel.attach(stream.try_clone()?)?;
         let lanes = connect_lanes(&addr, request.connections, here)?;
-        let result = self.migrate_over(stream, lanes, request, paused, cancel, progress);
+        let result = self.migrate_over(stream, lanes, &addr, request, paused, cancel, progress);
         self.control.set_throttle(0);
         match result {
             // The destination runs the guest now; the API ends this copy once the reply is
@@ -348,6 +354,10 @@ impl MachineOps for Core {
             Ok(report) => Ok(json!({"report": report_json(&report)})),
             Err(e @ migration::Error::OutcomeUnknown { .. }) => {
                 Err(Error::MigrationOutcomeUnknown(e.to_string()))
+            }
+            Err(e @ migration::Error::PostcopyLost { .. }) => {
+                let _ = self.guest_lost.set(format!("migration to {addr}: {e}"));
+                Err(Error::MigrationGuestLost(e.to_string()))
             }
             Err(_) if cancel.is_cancelled() => Err(Error::Migration(format!("cancelled ({here})"))),
             Err(e) => Err(Error::Migration(format!("{e} ({here})"))),
@@ -359,10 +369,12 @@ impl Core {
     /// Runs the migration engine over a connected stream. A guest found paused is migrated
     /// warm (nothing can dirty its memory) and its state says so, so that the destination
     /// keeps it paused. On failure, the guest runs again only if it was running.
+    #[allow(clippy::too_many_arguments)]
     fn migrate_over(
         &self,
         stream: TcpStream,
         lanes: Vec<TcpStream>,
+        addr: &str,
         request: &MigrateRequest,
         paused: bool,
         cancel: &MigrationCancel,
@@ -406,10 +418,28 @@ impl Core {
         }
         // After a lazy restore, pages still mapped from the snapshot file hold data too.
         let data_pages = self.restored.get().map(|m| m.data_pages());
-        // A sending thread per data connection, under the migration's seccomp role.
+        let connect = || {
+            let s = connect(addr).map_err(|e| std::io::Error::other(e.to_string()))?;
+            s.set_write_timeout(Some(PEER_TIMEOUT))?;
+            Ok(s)
+        };
         let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
             sandbox::spawn(sandbox::Role::Migration, name, body)
         };
+        let postcopy = request
+            .post_copy_rounds()
+            .map(|after_rounds| migration::PostcopySource {
+                after_rounds,
+                connect: &connect,
+                spawn: &spawn,
+                timeout: PEER_TIMEOUT,
+            });
+        if postcopy.is_some() && warm {
+            return Err(vm_error(
+                "post-copy",
+                "a paused (warm) migration has nothing to gain from post-copy; leave it out",
+            ));
+        }
         let result = migration::migrate_threaded(
             &migration::FileBackedRam::new(&*self.memory, data_pages),
             &self.config,
@@ -422,6 +452,7 @@ impl Core {
                 .collect(),
             BufReader::new(ack_in),
             &params,
+            postcopy.as_ref(),
             |p: &Progress| {
                 if p.phase == migration::Phase::WaitingAck {
                     cancel.final_state_sent();
@@ -784,6 +815,8 @@ pub struct Incoming {
     pub state: MachineState,
     pub ack: migration::AckSender<ReplyChannel>,
     pub figures: Value,
+    /// Set when the source switched to post-copy: pages still to come.
+    pub postcopy: Option<migration::PostcopyIncoming>,
 }
 
 /// The destination's reply channel, watched for its first frame: until the destination has
@@ -890,6 +923,7 @@ fn receive_from(
     Ok(Incoming {
         state: MachineState::from_bytes(&result.state)?,
         ack: result.ack,
+        postcopy: result.postcopy,
         figures: json!({
             "receive_ms": ms(started.elapsed()),
             "bytes": result.report.bytes_total,

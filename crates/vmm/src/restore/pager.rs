@@ -115,7 +115,7 @@ pub fn open_userfaultfd() -> io::Result<Uffd> {
         .map_err(uffd_error)
 }
 
-fn uffd_error(e: userfaultfd::Error) -> io::Error {
+pub(super) fn uffd_error(e: userfaultfd::Error) -> io::Error {
     match e {
         userfaultfd::Error::SystemError(errno)
         | userfaultfd::Error::CopyFailed(errno)
@@ -428,7 +428,7 @@ impl std::fmt::Display for PageError {
 type Result<T> = std::result::Result<T, PageError>;
 
 /// Waits until `fd` or `other` is readable; true for `other`.
-fn wait_readable(fd: i32, other: i32) -> io::Result<bool> {
+pub(super) fn wait_readable(fd: i32, other: i32) -> io::Result<bool> {
     let mut fds = [
         libc::pollfd {
             fd,
