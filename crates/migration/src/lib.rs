@@ -45,9 +45,8 @@ pub use postcopy::{
 };
 pub use precopy::{
     migrate, migrate_parallel, migrate_postcopy, migrate_threaded, snapshot, DirtySource,
-    MigrationParams,
-    MigrationReport, Phase, Progress, RoundStats, SnapshotReport, StopReason, VmControl,
-    THROTTLE_STEPS,
+    MigrationParams, MigrationReport, Phase, Progress, RoundStats, SnapshotReport, StopReason,
+    VmControl, THROTTLE_STEPS,
 };
 pub use ram::{FileBackedRam, GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
 pub use receive::{

@@ -1000,6 +1000,7 @@ fn threaded_migration(lanes: usize, cut: Option<(usize, usize)>) -> (S, Result<M
         data,
         ack_in,
         &params,
+        None,
         |_| {},
         &spawn,
     );
