@@ -381,45 +381,19 @@ where
     )
 }
 
-/// [`migrate_parallel`], switching to post-copy when `postcopy` is given: after
-/// `after_rounds` live rounds the source pauses, sends its state and the set of pages the
-/// destination still lacks, and serves those pages (on request first, the rest in the
-/// background) over a connection of their own until the destination holds every one; only
-/// then does this return. Until the destination acknowledges that it runs the guest,
-/// failures behave as in [`migrate`]; after it, a failure returns [`Error::PostcopyLost`]
-/// with the guest left paused here: its memory is split between both hosts, and it is
-/// lost.
-#[allow(clippy::too_many_arguments)]
-pub fn migrate_postcopy<G, D, V, W, R, P>(
-    ram: &G,
-    config: &MigrationConfig,
-    dirty: &mut D,
-    vm: &mut V,
-    out: W,
-    data: Vec<W>,
-    ack_in: R,
-    params: &MigrationParams,
-    postcopy: Option<&PostcopySource<'_>>,
-    progress: P,
-) -> Result<MigrationReport>
-where
-    G: GuestRam + ?Sized,
-    D: DirtySource + ?Sized,
-    V: VmControl + ?Sized,
-    W: Write,
-    R: Read,
-    P: FnMut(&Progress),
-{
-    run_migration(
-        ram, config, dirty, vm, out, data, ack_in, params, postcopy, progress, None,
-    )
-}
-
-/// [`migrate_postcopy`] with a sending thread per data connection, started with `spawn`
+/// [`migrate_parallel`] with a sending thread per data connection, started with `spawn`
 /// (the VMM passes its sandboxed spawner): each thread does the zero check, CRC-32,
 /// compression and writes of its share of the pages, while this thread sends its own share
 /// on `out` and keeps the order of the migration. Any thread's failure fails the migration,
 /// with the guaranties of [`migrate`].
+///
+/// With `postcopy`, the source switches to post-copy after `after_rounds` live rounds: it
+/// pauses, sends its state and the set of pages the destination still lacks, and serves
+/// those pages (on request first, the rest in the background) over a connection of their
+/// own until the destination holds every one; only then does this return. Until the
+/// destination acknowledges that it runs the guest, failures behave as in [`migrate`];
+/// after it, a failure returns [`Error::PostcopyLost`] with the guest left paused here: its
+/// memory is split between both hosts, and it is lost.
 #[allow(clippy::too_many_arguments)]
 pub fn migrate_threaded<G, D, V, W, R, P>(
     ram: &G,

@@ -166,17 +166,18 @@ fn run(after_rounds: u32, how: Behaviour) -> Run {
         downtime_target: Duration::ZERO,
         ..Default::default()
     };
-    let result = migrate_postcopy(
+    let result = migrate_threaded(
         &mem,
         &cfg,
         &mut StillDirty,
         &mut vm,
-        &ctrl,
+        ctrl.try_clone().unwrap(),
         Vec::new(),
         ctrl.try_clone().unwrap(),
         &params,
         Some(&pc),
         |_| {},
+        &spawn,
     );
     let got = dest.join().unwrap();
     (result, vm, mem, dst, got)
