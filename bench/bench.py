@@ -306,6 +306,23 @@ def stop(p):
             p.wait()
 
 
+def qemu_migration_outcome(s, max_time_s, poll_s=0.05):
+    """Polls QEMU's `query-migrate` until the migration ends (cancelling it after
+    `max_time_s`): (its last info, None) when completed, else (None, a failed result)."""
+    deadline = time.monotonic() + max_time_s
+    while True:
+        info = s.cmd("query-migrate")
+        if info.get("status") in ("completed", "failed", "cancelled"):
+            break
+        if time.monotonic() > deadline:
+            s.cmd("migrate_cancel")
+            return None, {"ok": False, "error": f"not done after {max_time_s} s"}
+        time.sleep(poll_s)
+    if info["status"] != "completed":
+        return None, {"ok": False, "error": info.get("error-desc", info["status"])}
+    return info, None
+
+
 def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s, multifd=0,
                  compression=None):
     """multifd=N: QEMU's multifd with N channels (set on both sides before the stream, the
@@ -345,17 +362,9 @@ def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s, mult
             s.cmd("migrate-set-capabilities",
                   capabilities=[{"capability": "auto-converge", "state": True}])
         s.cmd("migrate", uri=f"tcp:{addr}:{port}")
-        deadline = time.monotonic() + max_time_s
-        while True:
-            info = s.cmd("query-migrate")
-            if info.get("status") in ("completed", "failed", "cancelled"):
-                break
-            if time.monotonic() > deadline:
-                s.cmd("migrate_cancel")
-                return {"ok": False, "error": f"not done after {max_time_s} s"}
-            time.sleep(0.05)
-        if info["status"] != "completed":
-            return {"ok": False, "error": info.get("error-desc", info["status"])}
+        info, failure = qemu_migration_outcome(s, max_time_s)
+        if failure:
+            return failure
         resumed = d.wait_event("RESUME", 30)
         stopped = s.event_time("STOP")
         running = d.cmd("query-status").get("status") == "running"

@@ -90,17 +90,9 @@ def qemu_case(link, postcopy):
         if postcopy:
             time.sleep(0.05)
             s.cmd("migrate-start-postcopy")
-        deadline = time.monotonic() + MAX_TIME_S
-        while True:
-            info = s.cmd("query-migrate")
-            if info.get("status") in ("completed", "failed", "cancelled"):
-                break
-            if time.monotonic() > deadline:
-                s.cmd("migrate_cancel")
-                return {"ok": False, "error": f"not done after {MAX_TIME_S} s"}
-            time.sleep(0.02)
-        if info["status"] != "completed":
-            return {"ok": False, "error": info.get("error-desc", info["status"])}
+        info, failure = bench.qemu_migration_outcome(s, MAX_TIME_S, poll_s=0.02)
+        if failure:
+            return failure
         # QEMU's own `downtime` is not meaningful after a switch to post-copy: measure the
         # guest's pause as the source's STOP to the destination's RESUME.
         resumed = d.wait_event("RESUME", 30)

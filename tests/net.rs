@@ -64,15 +64,6 @@ while True:
     u.sendto(data, addr)
 "#;
 
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A network namespace with the tap and the peer; removed (with both) on drop.
 struct Peer {
     ns: String,

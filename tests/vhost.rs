@@ -28,15 +28,6 @@ while True:
     u.sendto(data, addr)
 "#;
 
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A namespace with the tap up at 10.0.2.2; removed on drop.
 struct Namespace {
     name: String,

@@ -179,3 +179,14 @@ pub fn run_guest(name: &str, extra: &[&str]) -> Run {
     args.extend_from_slice(extra);
     ferrovm(&args, Duration::from_secs(120))
 }
+
+/// Runs `ip` with `args` (network namespaces, taps, addresses); panics with its stderr if it
+/// fails.
+pub fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
