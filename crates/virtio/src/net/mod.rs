@@ -134,7 +134,9 @@ pub struct Net {
     /// The RARP frames still to come after a restore.
     announcer: announce::Announcer,
     /// One per pair: the receive queue's re-check timer.
-    rx_timers: Vec<Arc<recheck::RxTimer>>,
+    rx_timers: Vec<Arc<recheck::RecheckTimer>>,
+    /// One per pair: the transmit queue's re-check timer.
+    tx_timers: Vec<Arc<recheck::RecheckTimer>>,
 }
 
 impl Net {
@@ -147,9 +149,12 @@ impl Net {
             .collect();
         let wanted = TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_TSO_ECN | TUN_F_UFO;
         let tap_offloads = taps.first().map_or(0, |t| t.probe_offloads(wanted));
-        let rx_timers = (0..pairs)
-            .map(|_| recheck::RxTimer::new().map(Arc::new))
-            .collect::<std::io::Result<_>>()?;
+        let timers = || {
+            (0..pairs)
+                .map(|_| recheck::RecheckTimer::new().map(Arc::new))
+                .collect::<std::io::Result<Vec<_>>>()
+        };
+        let (rx_timers, tx_timers) = (timers()?, timers()?);
         let steering_wakers = (0..pairs)
             .map(|_| Waker::new().map(Arc::new))
             .collect::<std::io::Result<_>>()?;
@@ -178,6 +183,7 @@ impl Net {
             paused: false,
             announcer: announce::Announcer::default(),
             rx_timers,
+            tx_timers,
         })
     }
 
@@ -456,9 +462,13 @@ impl Net {
             )));
         };
         let acked = self.acked_features;
-        let Some(timer) = self.rx_timers.get(usize::from(pair)).cloned() else {
+        let timers = self
+            .rx_timers
+            .get(usize::from(pair))
+            .zip(self.tx_timers.get(usize::from(pair)));
+        let Some((rx_timer, tx_timer)) = timers else {
             return Err(ActivateError(format!(
-                "virtio-net: no receive timer for pair {pair}"
+                "virtio-net: no re-check timers for pair {pair}"
             )));
         };
         let handler = PairHandler {
@@ -474,7 +484,8 @@ impl Net {
             tap_failed: None,
             rx_buf: vec![0; MAX_GSO_FRAME],
             rx_delivered: 0,
-            rx_recheck: recheck::RxRecheck::new(timer),
+            rx_recheck: recheck::Recheck::new(rx_timer.clone()),
+            tx: recheck::TxBatching::new(tx_timer.clone()),
         };
         self.workers.spawn(
             format!("virtio-net-q{pair}"),

@@ -28,7 +28,7 @@ use virtio_queue::DescriptorChain;
 use vm_memory::bitmap::BS;
 use vm_memory::{GuestMemory, Permissions, VolatileSlice};
 
-use super::recheck::RxRecheck;
+use super::recheck::{Recheck, TxBatching};
 use super::tap::{Tap, VNET_HDR_LEN};
 use super::Shared;
 use crate::worker::QueueHandler;
@@ -88,7 +88,9 @@ pub struct PairHandler {
     /// Frames put into the receive queue so far.
     pub rx_delivered: u64,
     /// A frame without buffers: look again shortly rather than ask for a notification.
-    pub rx_recheck: RxRecheck,
+    pub rx_recheck: Recheck,
+    /// After a burst: look again shortly rather than ask for the next frame's kick.
+    pub tx: TxBatching,
 }
 
 impl PairHandler {
@@ -236,6 +238,7 @@ impl PairHandler {
             Counters::bump(&counters.tx_malformed);
             return 0;
         };
+        self.tx.sent_one();
         // Straight from guest memory to the tap: the guards keep the views valid meanwhile.
         let guards: Vec<_> = slices.iter().map(|s| s.ptr_guard()).collect();
         let iovecs: Vec<libc::iovec> = guards
@@ -315,9 +318,10 @@ impl<M: GuestMemory> QueueHandler<M> for PairHandler {
     fn notifications_off(&mut self, queue: u16) -> bool {
         // Receive buffers are looked for when a frame arrives; the driver needs to kick
         // only once the device holds a frame it has no buffer for, and not even then while
-        // it is draining the ring (see `recheck`).
+        // it is draining the ring. A transmit queue stays quiet while bursts keep coming
+        // (see `recheck`).
         if queue != self.rx_queue() {
-            return false;
+            return self.tx.notifications_off();
         }
         if self.pending_rx.is_none() {
             self.rx_recheck.clear();
@@ -328,6 +332,7 @@ impl<M: GuestMemory> QueueHandler<M> for PairHandler {
 
     fn fds_ready(&mut self) {
         self.rx_recheck.take_expiry();
+        self.tx.take_expiry();
     }
 
     fn extra_wakers(&self) -> Vec<Arc<Waker>> {
@@ -349,7 +354,8 @@ impl<M: GuestMemory> QueueHandler<M> for PairHandler {
             self.tap_failed = None;
         }
         let failed = self.tap_failed.is_some();
-        let mut fds: Vec<RawFd> = self.rx_recheck.poll_fd().into_iter().collect();
+        let timers = [&self.rx_recheck, self.tx.recheck()];
+        let mut fds: Vec<RawFd> = timers.iter().filter_map(|r| r.poll_fd()).collect();
         if self.has_rx && !failed && self.pending_rx.is_none() && self.attached() {
             fds.push(self.tap.poll_fd());
         }

@@ -6,7 +6,7 @@ use vm_memory::{GuestAddress, GuestMemoryMmap};
 use virtio_queue::QueueT;
 use vm_memory::Bytes;
 
-use super::recheck::RxRecheck;
+use super::recheck::{Recheck, TxBatching};
 use super::*;
 use crate::test_driver::{Buf, TestDriver};
 use crate::worker::{Worker, WorkerConfig};
@@ -134,7 +134,8 @@ fn merged_receiver(net: &Net, ring: u16, frame: &[u8], event_idx: bool) -> (Test
         tap_failed: None,
         rx_buf,
         rx_delivered: 0,
-        rx_recheck: RxRecheck::new(net.rx_timers[0].clone()),
+        rx_recheck: Recheck::new(net.rx_timers[0].clone()),
+        tx: TxBatching::new(net.tx_timers[0].clone()),
     };
     let config = WorkerConfig {
         name: "net-rx-test".into(),
