@@ -306,6 +306,21 @@ def stop(p):
             p.wait()
 
 
+def end_qemu_pair(s, d, src, dst, work):
+    """Quits a migration's two QEMUs (their QMP connections `s` and `d`, either None if it
+    never came up), stops the processes and removes their work directory."""
+    for q in (s, d):
+        if q:
+            try:
+                q.cmd("quit")
+            except (QmpError, OSError):
+                pass
+            q.close()
+    stop(src)
+    stop(dst)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def qemu_migration_outcome(s, max_time_s, poll_s=0.05):
     """Polls QEMU's `query-migrate` until the migration ends (cancelling it after
     `max_time_s`): (its last info, None) when completed, else (None, a failed result)."""
@@ -376,16 +391,7 @@ def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s, mult
     except (QmpError, OSError) as e:
         return {"ok": False, "error": str(e)}
     finally:
-        for q in (s, d):
-            if q:
-                try:
-                    q.cmd("quit")
-                except (QmpError, OSError):
-                    pass
-                q.close()
-        stop(src)
-        stop(dst)
-        shutil.rmtree(work, ignore_errors=True)
+        end_qemu_pair(s, d, src, dst, work)
 
 
 def bench_migration(cfg):

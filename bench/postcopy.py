@@ -17,7 +17,6 @@ build), the guests (make guests) and qemu-system-x86_64.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,16 +106,7 @@ def qemu_case(link, postcopy):
     except (QmpError, OSError) as e:
         return {"ok": False, "error": str(e)}
     finally:
-        for q in (s, d):
-            if q:
-                try:
-                    q.cmd("quit")
-                except (QmpError, OSError):
-                    pass
-                q.close()
-        stop(src)
-        stop(dst)
-        shutil.rmtree(work, ignore_errors=True)
+        bench.end_qemu_pair(s, d, src, dst, work)
 
 
 MODES = {

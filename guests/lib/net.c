@@ -118,12 +118,12 @@ unsigned net_tx_reap(struct net_dev *n, unsigned p)
 	return done;
 }
 
-bool net_send(struct net_dev *n, unsigned p, const void *frame, u32 len)
+/* Reaps finished transmissions until fewer than a ring's worth are in flight, or the
+ * deadline passes (false).  The device completes them in order, so slot tx_next is then
+ * free. */
+static bool net_tx_wait_slot(struct net_dev *n, unsigned p, u64 deadline)
 {
 	struct net_pair *pr = &n->pair[p];
-	if (len > NET_BUF_LEN - NET_HDR_LEN)
-		fail("net_send: %u-byte frame", len);
-	u64 deadline = net_deadline(1000000);
 	net_tx_reap(n, p);
 	while (pr->tx_inflight >= pr->tx->size) {
 		if (net_expired(deadline))
@@ -131,7 +131,17 @@ bool net_send(struct net_dev *n, unsigned p, const void *frame, u32 len)
 		pause();
 		net_tx_reap(n, p);
 	}
-	/* The device completes transmissions in order, so this slot is free. */
+	return true;
+}
+
+bool net_send(struct net_dev *n, unsigned p, const void *frame, u32 len)
+{
+	struct net_pair *pr = &n->pair[p];
+	if (len > NET_BUF_LEN - NET_HDR_LEN)
+		fail("net_send: %u-byte frame", len);
+	u64 deadline = net_deadline(1000000);
+	if (!net_tx_wait_slot(n, p, deadline))
+		return false;
 	u16 slot = pr->tx_next;
 	pr->tx_next = (u16)((slot + 1) % pr->tx->size);
 	u8 *buf = pr->tx_bufs + (u64)slot * NET_BUF_LEN;
@@ -153,14 +163,8 @@ bool net_send_chain(struct net_dev *n, unsigned p, const struct net_hdr *vh, con
 	if (hlen > NET_BUF_LEN - NET_HDR_LEN)
 		fail("net_send_chain: %u bytes of headers", hlen);
 	u64 deadline = net_deadline(1000000);
-	net_tx_reap(n, p);
-	/* In-order completion: slot tx_next is free while fewer than qsize are in flight. */
-	while (pr->tx_inflight >= pr->tx->size) {
-		if (net_expired(deadline))
-			return false;
-		pause();
-		net_tx_reap(n, p);
-	}
+	if (!net_tx_wait_slot(n, p, deadline))
+		return false;
 	u16 slot = pr->tx_next;
 	u8 *buf = pr->tx_bufs + (u64)slot * NET_BUF_LEN;
 	memcpy(buf, vh, NET_HDR_LEN);
