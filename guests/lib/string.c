@@ -36,6 +36,14 @@ void *memmove(void *d, const void *s, size_t n)
 int memcmp(const void *a, const void *b, size_t n)
 {
 	const u8 *x = a, *y = b;
+	/* Eight bytes at a time while they match; the first differing byte decides. */
+	for (; n >= 8; n -= 8, x += 8, y += 8) {
+		u64 p, q;
+		__builtin_memcpy(&p, x, 8);
+		__builtin_memcpy(&q, y, 8);
+		if (p != q)
+			break;
+	}
 	for (; n; n--, x++, y++)
 		if (*x != *y)
 			return *x - *y;
