@@ -38,12 +38,6 @@ pub const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
 /// long batch does not hold back the first completions.
 const SIGNAL_BATCH: u32 = 16;
 
-/// Requests one visit of a queue serves before the thread looks at its other queues. A
-/// receive queue that a fast host keeps full would otherwise hold back the transmit queue
-/// for a whole burst, and with it the driver's acknowledgements that the host's next burst
-/// waits for.
-const SERVE_BUDGET: u32 = 8;
-
 /// What a device does with the chains of its queues.
 pub trait QueueHandler<M: GuestMemory>: Send + 'static {
     /// Serves one descriptor chain taken from queue `queue` (its [`ActiveQueue::index`]);
@@ -232,7 +226,6 @@ impl Worker {
             control: control.clone(),
             mem: config.mem,
             halted: vec![false; queues.len()],
-            backlog: vec![false; queues.len()],
             queues,
             interrupt: config.interrupt,
             extra: handler.extra_wakers(),
@@ -416,9 +409,6 @@ struct WorkerThread<M, H> {
     handler: H,
     /// Queues the driver broke (see [`Interrupt::needs_reset`]): not served until reset.
     halted: Vec<bool>,
-    /// Queues whose last visit used up [`SERVE_BUDGET`] with work left: visited again after
-    /// the others, without waiting for a notification.
-    backlog: Vec<bool>,
 }
 
 impl<M, H> WorkerThread<M, H>
@@ -460,9 +450,7 @@ where
             .chain(handler_fds)
             .collect();
         let own = 1 + self.queues.len() + self.extra.len();
-        // Work left over: only look at what else is ready, then come back to it.
-        let wait = !self.backlog.contains(&true);
-        poll_readable(&fds, own, wait)
+        poll_readable(&fds, own)
     }
 
     fn dispatch(&mut self, ready: &[bool]) {
@@ -471,11 +459,8 @@ where
         }
         let queue_count = self.queues.len();
         for slot in 0..queue_count {
-            let notified = ready.get(slot + 1) == Some(&true);
-            if notified {
+            if ready.get(slot + 1) == Some(&true) {
                 self.queues[slot].notify.drain();
-            }
-            if notified || self.backlog[slot] {
                 self.serve(slot);
             }
         }
@@ -526,11 +511,9 @@ where
         }
     }
 
-    /// Serves queue `slot` until it is empty, the handler cannot go on, a command asks the
-    /// worker to yield, or it used up [`SERVE_BUDGET`] (it is then in the backlog, its
-    /// notifications still off); signals the driver for what it completed.
+    /// Serves queue `slot` until it is empty, the handler cannot go on, or a command asks
+    /// the worker to yield; signals the driver for what it completed.
     fn serve(&mut self, slot: usize) {
-        self.backlog[slot] = false;
         if self.halted.get(slot).copied().unwrap_or(true) {
             return;
         }
@@ -539,19 +522,13 @@ where
         let mut pending_signal = 0u32;
         let mut idle_passes = 0;
         let mut starved_passes = 0u32;
-        let mut budget = SERVE_BUDGET;
         loop {
             let queue = &mut self.queues[slot].queue;
             if let Err(e) = queue.disable_notification(mem) {
                 log::warn!("virtio queue: cannot disable notifications: {e}");
             }
-            let (served, starved) =
-                self.serve_available(slot, mem, &mut pending_signal, &mut budget);
+            let (served, starved) = self.serve_available(slot, mem, &mut pending_signal);
             if self.control.yield_now.load(Ordering::SeqCst) {
-                break;
-            }
-            if budget == 0 {
-                self.backlog[slot] = true;
                 break;
             }
             let index = self.queues[slot].index;
@@ -583,20 +560,13 @@ where
         self.signal(slot, mem, &mut pending_signal);
     }
 
-    /// Handles chains until none is left, the queue is halted or `budget` requests were
-    /// handled; returns how many requests it handled, and for a request left waiting for
-    /// more chains than the driver made available, the available index the handler looked
-    /// up to.
-    fn serve_available(
-        &mut self,
-        slot: usize,
-        mem: &M,
-        pending: &mut u32,
-        budget: &mut u32,
-    ) -> (u32, Option<u16>) {
+    /// Handles chains until none is left or the queue is halted; returns how many requests
+    /// it handled, and for a request left waiting for more chains than the driver made
+    /// available, the available index the handler looked up to.
+    fn serve_available(&mut self, slot: usize, mem: &M, pending: &mut u32) -> (u32, Option<u16>) {
         let mut served = 0;
         // Halted here or before: the chains behind the broken entry stay unserved.
-        while *budget > 0 && !self.control.yield_now.load(Ordering::SeqCst) && !self.halted[slot] {
+        while !self.control.yield_now.load(Ordering::SeqCst) && !self.halted[slot] {
             let index = self.queues[slot].index;
             if !self.handler.ready(index) {
                 break;
@@ -605,7 +575,6 @@ where
                 match self.serve_multi(slot, mem) {
                     Multi::Served(entries) => {
                         served += 1;
-                        *budget -= 1;
                         *pending += entries;
                         if *pending >= SIGNAL_BATCH {
                             self.signal(slot, mem, pending);
@@ -644,7 +613,6 @@ where
                 log::error!("virtio queue {index}: cannot add used entry: {e}");
             }
             served += 1;
-            *budget -= 1;
             *pending += 1;
             if *pending >= SIGNAL_BATCH {
                 self.signal(slot, mem, pending);
@@ -817,11 +785,10 @@ fn needs_notification<M: GuestMemory>(queue: &mut Queue, mem: &M, added: u32) ->
     u32::from((next_used - Wrapping(used_event) - Wrapping(1)).0) < added
 }
 
-/// poll(2) on `fds` for readability, blocking until one is ready if `wait`, else only
-/// looking; retries on EINTR. An error on one of the first `own` descriptors (the worker's
-/// wakers) is fatal; one on a handler's descriptor counts as readiness, and the handler
-/// finds the error when it reads.
-fn poll_readable(fds: &[RawFd], own: usize, wait: bool) -> io::Result<Vec<bool>> {
+/// poll(2) on `fds` for readability, without timeout; retries on EINTR. An error on one
+/// of the first `own` descriptors (the worker's wakers) is fatal; one on a handler's
+/// descriptor counts as readiness, and the handler finds the error when it reads.
+fn poll_readable(fds: &[RawFd], own: usize) -> io::Result<Vec<bool>> {
     let mut pollfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|&fd| libc::pollfd {
@@ -830,11 +797,9 @@ fn poll_readable(fds: &[RawFd], own: usize, wait: bool) -> io::Result<Vec<bool>>
             revents: 0,
         })
         .collect();
-    let timeout = if wait { -1 } else { 0 };
     loop {
         // SAFETY: `pollfds` is a valid array of `pollfds.len()` entries that outlives the call.
-        let rc =
-            unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, timeout) };
+        let rc = unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, -1) };
         if rc >= 0 {
             break;
         }
@@ -965,32 +930,6 @@ mod tests {
         assert_eq!(queues.len(), 2);
         assert_eq!(queues[0].queue.next_avail(), 1);
         assert_eq!(queues[1].queue.next_used(), 1);
-    }
-
-    #[test]
-    fn a_busy_queue_yields_to_the_others_after_its_budget() {
-        let mut driver = TestDriver::new(&[32, 16]);
-        let probe = Probe::new();
-        let worker = spawn(&driver, &probe, true);
-        let busy: Vec<u16> = (0..SERVE_BUDGET + 4)
-            .map(|_| one_buffer_chain(&mut driver, 0))
-            .collect();
-        let other = one_buffer_chain(&mut driver, 1);
-        driver.kick(0);
-        driver.kick(1);
-        worker.resume().unwrap();
-        driver.wait_used(0, busy.len() as u16);
-        driver.wait_used(1, 1);
-        // The other queue's request goes between the busy queue's first budget and the rest.
-        let budget = SERVE_BUDGET as usize;
-        let expected: Vec<(u16, u16)> = busy[..budget]
-            .iter()
-            .map(|&h| (0, h))
-            .chain(std::iter::once((1, other)))
-            .chain(busy[budget..].iter().map(|&h| (0, h)))
-            .collect();
-        assert_eq!(probe.handled(), expected);
-        worker.stop();
     }
 
     #[test]
