@@ -190,7 +190,12 @@ impl Peer {
         );
         assert!(!out.contains("FAIL"), "{out}");
         assert!(!stderr.contains("panicked"), "{stderr}");
-        out
+        if env.is_empty() {
+            out
+        } else {
+            // What the environment asked for (a log level) shows on stderr.
+            format!("{out}\n--- stderr\n{stderr}")
+        }
     }
 }
 
@@ -341,15 +346,26 @@ fn echo_without_kernel_eventfds() {
 }
 
 /// Two queue pairs (IFF_MULTI_QUEUE, VIRTIO_NET_F_MQ, VQ_PAIRS_SET 2), 20000 frames of up
-/// to 1400 bytes, 64 in flight per pair, every echo checked; both pairs carry frames.
+/// to 1400 bytes, 64 in flight per pair, every echo checked; both pairs carry frames,
+/// served by one I/O thread and by one thread each.
 #[test]
 fn stress_on_two_queue_pairs() {
-    let peer = Peer::new("stress", true);
-    let out = peer.run_guest(
-        "net-stress",
-        &net(",queues=2"),
-        &["--cmdline", "pairs=2 count=20000 window=64"],
-    );
+    for threads in [1, 2] {
+        let peer = Peer::new("stress", true);
+        let out = peer.run_guest_env(
+            "net-stress",
+            &net(&format!(",queues=2,iothreads={threads}")),
+            &["--cmdline", "pairs=2 count=20000 window=64"],
+            &[("FERROVM_LOG", "info")],
+        );
+        let plural = if threads == 1 { "" } else { "s" };
+        let layout = format!("2 queue pairs on {threads} I/O thread{plural}");
+        assert!(out.contains(&layout), "{out}");
+        check_both_pairs_carried(&out);
+    }
+}
+
+fn check_both_pairs_carried(out: &str) {
     assert!(out.contains("net-stress: 2 queue pairs"), "{out}");
     assert!(out.contains("20000 echoes intact"), "{out}");
     for pair in 0..2 {
@@ -442,6 +458,7 @@ fn bad_net_options_are_refused() {
         ("tap=t,queues=0", "queues=0: expected 1 to 16"),
         ("tap=t,mac=01:00:00:00:00:01", "mac=01:00:00:00:00:01"),
         ("tap=t,vhost=on", "vhost=on"),
+        ("tap=t,iothreads=0", "iothreads=0: expected 1 to 16"),
         ("tap=t,bogus", "unknown net option"),
     ] {
         let r = ferrovm(

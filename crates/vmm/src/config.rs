@@ -60,7 +60,8 @@ pub const DISK_SERIAL_MAX: usize = 20;
 /// Most queues a disk may have.
 pub const DISK_QUEUES_MAX: u16 = 16;
 
-/// One `--net tap=NAME[,mac=MAC][,queues=N][,vhost=on|off]`: a virtio-net device on a tap.
+/// One `--net tap=NAME[,mac=MAC][,queues=N][,iothreads=N][,vhost=on|off]`: a virtio-net
+/// device on a tap.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NetConfig {
     /// The tap interface, opened or created.
@@ -71,6 +72,18 @@ pub struct NetConfig {
     pub queues: u16,
     /// `vhost=on`: the host kernel's vhost-net serves the queue pairs.
     pub vhost: bool,
+    /// `iothreads=N`: threads serving the queue pairs; by default one per pair, at most as
+    /// many as the host has CPUs beside the vCPUs ([`default_net_threads`]).
+    pub iothreads: Option<u16>,
+}
+
+/// I/O threads for `pairs` queue pairs of a guest with `vcpus` vCPUs on a host with
+/// `host_cpus` CPUs: one per pair, but no more than the CPUs the vCPUs leave (at least
+/// one). Threads beyond those only take turns on the same CPUs, and each pays its own
+/// wake-ups where one thread would serve several pairs per wake-up.
+pub fn default_net_threads(pairs: u16, vcpus: u32, host_cpus: usize) -> u16 {
+    let spare = host_cpus.saturating_sub(vcpus as usize).max(1);
+    pairs.min(u16::try_from(spare).unwrap_or(u16::MAX)).max(1)
 }
 
 /// Most queue pairs a network device may have.
@@ -354,6 +367,7 @@ pub fn parse_net(text: &str) -> Result<NetConfig> {
         mac: None,
         queues: 1,
         vhost: false,
+        iothreads: None,
     };
     for field in text.split(',') {
         match field.split_once('=') {
@@ -375,6 +389,16 @@ pub fn parse_net(text: &str) -> Result<NetConfig> {
                     .filter(|q| (1..=NET_QUEUES_MAX).contains(q))
                     .ok_or_else(|| bad(format!("queues={n}: expected 1 to {NET_QUEUES_MAX}")))?
             }
+            Some(("iothreads", n)) => {
+                net.iothreads = Some(
+                    n.parse()
+                        .ok()
+                        .filter(|t| (1..=NET_QUEUES_MAX).contains(t))
+                        .ok_or_else(|| {
+                            bad(format!("iothreads={n}: expected 1 to {NET_QUEUES_MAX}"))
+                        })?,
+                )
+            }
             Some(("vhost", "off")) => net.vhost = false,
             Some(("vhost", "on")) => net.vhost = true,
             _ => return Err(bad(format!("unknown net option {field:?}"))),
@@ -382,7 +406,7 @@ pub fn parse_net(text: &str) -> Result<NetConfig> {
     }
     if net.tap.is_empty() {
         return Err(bad(
-            "expected tap=NAME[,mac=MAC][,queues=N][,vhost=on|off]".into()
+            "expected tap=NAME[,mac=MAC][,queues=N][,iothreads=N][,vhost=on|off]".into(),
         ));
     }
     Ok(net)
@@ -537,6 +561,23 @@ mod tests {
         assert!(parse_net("tap=t,vhost=on").unwrap().vhost);
         assert!(!parse_net("tap=t,vhost=on,vhost=off").unwrap().vhost);
         assert!(!parse_net("tap=t").unwrap().vhost);
+        assert_eq!(parse_net("tap=t,iothreads=3").unwrap().iothreads, Some(3));
+        assert_eq!(parse_net("tap=t").unwrap().iothreads, None);
+        for bad in ["tap=t,iothreads=0", "tap=t,iothreads=17", "tap=t,iothreads=x"] {
+            let e = parse_net(bad).unwrap_err().to_string();
+            assert!(e.contains("iothreads="), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn net_threads_by_default_fit_beside_the_vcpus() {
+        // Plenty of CPUs: a thread per pair.
+        assert_eq!(default_net_threads(4, 4, 16), 4);
+        // 2 CPUs, 1 vCPU: both pairs on the one spare CPU's thread.
+        assert_eq!(default_net_threads(2, 1, 2), 1);
+        // No spare CPU at all: still one thread.
+        assert_eq!(default_net_threads(8, 8, 4), 1);
+        assert_eq!(default_net_threads(1, 1, 64), 1);
     }
 
     #[test]

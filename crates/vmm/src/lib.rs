@@ -28,3 +28,10 @@ mod vcpu;
 pub use error::{Error, Result};
 pub use machine::{run, Outcome};
 pub use snapshot::parse_tcp;
+
+/// The CPUs this process may run on. Counted once (it reads cgroup files and the affinity
+/// mask), before any thread is sandboxed: [`run`] asks first.
+pub(crate) fn host_cpus() -> usize {
+    static COUNT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *COUNT.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}

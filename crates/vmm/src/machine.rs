@@ -64,8 +64,8 @@ impl Outcome {
 
 /// Builds the machine described by `config`, runs it to the end and tears it down.
 pub fn run(config: VmConfig) -> Result<Outcome> {
-    // Counted before any sandbox: the threads that migrate may not ask the system.
-    snapshot::default_connections();
+    // Counted before any sandbox: the threads that migrate or build devices may not ask.
+    crate::host_cpus();
     // First, so that every thread of the machine starts in its role's sandbox.
     sandbox::start(config.seccomp)?;
     if config.start == StartFrom::Api {

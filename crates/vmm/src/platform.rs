@@ -131,7 +131,13 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
     }
     let kernel_queues = kernel_paths && ctx.caps.irqfd && ctx.caps.ioeventfd;
     for net in &config.nets {
-        models.push(("virtio-net", open_net(net, ctx.memory, kernel_queues)?));
+        let threads = net.iothreads.unwrap_or_else(|| {
+            crate::config::default_net_threads(net.queues, config.cpus, crate::host_cpus())
+        });
+        models.push((
+            "virtio-net",
+            open_net(net, threads, ctx.memory, kernel_queues)?,
+        ));
     }
     if let Some(vsock) = &config.vsock {
         models.push(("virtio-vsock", open_vsock(vsock)?));
@@ -238,6 +244,7 @@ fn open_vsock(_vsock: &crate::config::VsockConfig) -> Result<Box<dyn VirtioDevic
 /// irqfd and ioeventfd (`kernel_queues`) and `/dev/vhost-net`; without either it is refused.
 fn open_net(
     net: &crate::config::NetConfig,
+    io_threads: u16,
     memory: &Arc<GuestMemory>,
     kernel_queues: bool,
 ) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
@@ -261,6 +268,7 @@ fn open_net(
             tap: net.tap.clone(),
             mac,
             queue_pairs: net.queues,
+            io_threads,
         };
         if net.vhost && !kernel_queues {
             return Err(refuse(
@@ -281,7 +289,7 @@ fn open_net(
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = (memory, kernel_queues);
+        let _ = (memory, kernel_queues, io_threads);
         Err(refuse("virtio-net needs a Linux tap device".into()))
     }
 }

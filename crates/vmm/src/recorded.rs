@@ -60,6 +60,9 @@ pub struct NetRecord {
     /// `vhost=on` (a host-side choice; records without it had none).
     #[serde(default)]
     pub vhost: bool,
+    /// `iothreads=N` (host-side, like `vhost`; records without it had none).
+    #[serde(default)]
+    pub iothreads: Option<u16>,
 }
 
 /// The vsock device: `--vsock cid=N,socket=PATH`.
@@ -111,6 +114,7 @@ impl DeviceRecord {
                     mac: n.mac,
                     queues: n.queues,
                     vhost: n.vhost,
+                    iothreads: n.iothreads,
                 })
                 .collect(),
             vsock,
@@ -172,6 +176,7 @@ impl DeviceRecord {
                 mac: n.mac,
                 queues: n.queues,
                 vhost: n.vhost,
+                iothreads: n.iothreads,
             })
             .collect();
         config.vsock = self.vsock.as_ref().map(|v| VsockConfig {

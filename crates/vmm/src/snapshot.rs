@@ -469,11 +469,9 @@ impl Core {
     }
 }
 
-/// Connections a migration uses by default: one per host CPU, at most 4. Counted once (it
-/// reads cgroup files and the affinity mask), before the API's threads are sandboxed.
+/// Connections a migration uses by default: one per host CPU, at most 4.
 pub fn default_connections() -> u32 {
-    static COUNT: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *COUNT.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4) as u32))
+    crate::host_cpus().min(4) as u32
 }
 
 /// Opens the data connections of a migration to `addr` (all but the control connection).

@@ -18,6 +18,7 @@
 
 pub mod announce;
 mod ctrl;
+pub mod group;
 pub mod pair;
 pub mod recheck;
 pub mod tap;
@@ -38,6 +39,7 @@ use vm_memory::GuestMemory;
 use crate::rng::COMMON_FEATURES;
 use crate::worker::Workers;
 use crate::{device_type, ActivateError, ActiveQueue, Interrupt, VirtioDevice};
+use group::PairGroup;
 pub use pair::Counters;
 use pair::{PairHandler, MAX_GSO_FRAME, MAX_PLAIN_FRAME};
 use tap::{Tap, TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6, TUN_F_TSO_ECN, TUN_F_UFO, VNET_HDR_LEN};
@@ -58,6 +60,9 @@ pub struct NetOptions {
     pub mac: [u8; 6],
     /// Queue pairs offered (VIRTIO_NET_F_MQ above 1).
     pub queue_pairs: u16,
+    /// Threads serving the pairs the driver uses (consecutive pairs share one), at most one
+    /// per pair.
+    pub io_threads: u16,
 }
 
 /// What the device, its I/O threads and its control queue share.
@@ -350,11 +355,7 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
             }
         }
         let by_pair = self.start_kernel_path(&mem, by_pair, interrupt.as_ref())?;
-        for (pair, queues) in by_pair.into_iter().enumerate() {
-            if !queues.is_empty() {
-                self.spawn_pair(pair as u16, mem.clone(), queues, interrupt.clone())?;
-            }
-        }
+        self.spawn_pairs(by_pair, &mem, &interrupt)?;
         if !ctrl.is_empty() {
             let handler = ctrl::CtrlHandler {
                 shared: self.shared.clone(),
@@ -449,13 +450,64 @@ impl Drop for Net {
 }
 
 impl Net {
-    fn spawn_pair<M: GuestMemory + Send + Sync + 'static>(
+    /// How many I/O threads serve `pairs` queue pairs.
+    fn io_threads(&self, pairs: usize) -> usize {
+        usize::from(self.options.io_threads).clamp(1, pairs.max(1))
+    }
+
+    /// Starts the I/O threads of the pairs that have queues, consecutive pairs together on
+    /// [`Net::io_threads`] threads.
+    fn spawn_pairs<M: GuestMemory + Send + Sync + 'static>(
         &mut self,
-        pair: u16,
-        mem: Arc<M>,
-        queues: Vec<ActiveQueue>,
-        interrupt: Arc<dyn Interrupt>,
+        by_pair: Vec<Vec<ActiveQueue>>,
+        mem: &Arc<M>,
+        interrupt: &Arc<dyn Interrupt>,
     ) -> Result<(), ActivateError> {
+        let served: Vec<(u16, Vec<ActiveQueue>)> = (0u16..)
+            .zip(by_pair)
+            .filter(|(_, queues)| !queues.is_empty())
+            .collect();
+        let threads = self.io_threads(served.len()).max(1);
+        let per_thread = served.len().div_ceil(threads).max(1);
+        let used = served.len().div_ceil(per_thread);
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
+        log::info!(
+            "virtio-net {}: {} queue pair{} on {used} I/O thread{}",
+            self.options.tap,
+            served.len(),
+            plural(served.len()),
+            plural(used)
+        );
+        let mut served = served.into_iter().peekable();
+        while served.peek().is_some() {
+            let mut group = PairGroup {
+                first: served.peek().map_or(0, |(pair, _)| *pair),
+                pairs: Vec::new(),
+            };
+            let mut queues = Vec::new();
+            for (pair, pair_queues) in served.by_ref().take(per_thread) {
+                group.pairs.push(self.pair_handler(pair, &pair_queues)?);
+                queues.extend(pair_queues);
+            }
+            let name = format!("virtio-net-q{}", group.first);
+            self.workers.spawn(
+                name,
+                mem.clone(),
+                self.acked_features,
+                queues,
+                interrupt.clone(),
+                group,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The handler of pair `pair`, served on `queues` (its receive and transmit queues).
+    fn pair_handler(
+        &self,
+        pair: u16,
+        queues: &[ActiveQueue],
+    ) -> Result<PairHandler, ActivateError> {
         let Some(tap) = self.shared.taps.get(usize::from(pair)).cloned() else {
             return Err(ActivateError(format!(
                 "virtio-net: no tap queue for pair {pair}"
@@ -471,7 +523,7 @@ impl Net {
                 "virtio-net: no re-check timers for pair {pair}"
             )));
         };
-        let handler = PairHandler {
+        Ok(PairHandler {
             pair,
             has_rx: queues.iter().any(|q| q.index == pair * 2),
             tap,
@@ -486,14 +538,6 @@ impl Net {
             rx_delivered: 0,
             rx_recheck: recheck::Recheck::new(rx_timer.clone()),
             tx: recheck::TxBatching::new(tx_timer.clone()),
-        };
-        self.workers.spawn(
-            format!("virtio-net-q{pair}"),
-            mem,
-            acked,
-            queues,
-            interrupt,
-            handler,
-        )
+        })
     }
 }

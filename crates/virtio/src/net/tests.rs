@@ -40,6 +40,7 @@ fn device(pairs: u16) -> Option<Net> {
         tap: name,
         mac: MAC,
         queue_pairs: pairs,
+        io_threads: pairs,
     }) {
         Ok(net) => Some(net),
         Err(e) => {

@@ -475,6 +475,7 @@ fn device_with_fake(pairs: u16) -> Option<(Net, Arc<Mutex<Record>>)> {
         tap: name,
         mac: [0x52, 0x54, 0, 1, 2, 3],
         queue_pairs: pairs,
+        io_threads: pairs,
     };
     let mut net = match Net::new(options) {
         Ok(net) => net,

@@ -333,6 +333,7 @@ impl PreBoot {
                 mac: n.guest_mac.as_deref().and_then(crate::config::parse_mac),
                 queues: 1,
                 vhost: false,
+                iothreads: None,
             })
             .collect();
         config.vsock = self.vsock.as_ref().map(|v| VsockConfig {
