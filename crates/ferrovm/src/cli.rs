@@ -108,8 +108,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "cid=N,socket=PATH")]
     pub vsock: Option<String>,
     /// A virtio-net device on a tap interface (created if it does not exist); repeatable.
-    /// `vhost=on`: the host kernel serves its queues (/dev/vhost-net, KVM only).
-    #[arg(long, value_name = "tap=NAME[,mac=MAC][,queues=N][,vhost=on|off]")]
+    /// `iothreads=N`: host threads for its queue pairs (default: one per pair, no more than
+    /// the CPUs the vCPUs leave). `vhost=on`: the host kernel serves its queues
+    /// (/dev/vhost-net, KVM only).
+    #[arg(
+        long,
+        value_name = "tap=NAME[,mac=MAC][,queues=N][,iothreads=N][,vhost=on|off]"
+    )]
     pub net: Vec<String>,
     /// Serve the control API on this Unix socket.
     #[arg(long, value_name = "PATH")]
