@@ -563,7 +563,11 @@ mod tests {
         assert!(!parse_net("tap=t").unwrap().vhost);
         assert_eq!(parse_net("tap=t,iothreads=3").unwrap().iothreads, Some(3));
         assert_eq!(parse_net("tap=t").unwrap().iothreads, None);
-        for bad in ["tap=t,iothreads=0", "tap=t,iothreads=17", "tap=t,iothreads=x"] {
+        for bad in [
+            "tap=t,iothreads=0",
+            "tap=t,iothreads=17",
+            "tap=t,iothreads=x",
+        ] {
             let e = parse_net(bad).unwrap_err().to_string();
             assert!(e.contains("iothreads="), "{bad}: {e}");
         }
