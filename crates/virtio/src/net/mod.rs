@@ -138,10 +138,23 @@ pub struct Net {
     paused: bool,
     /// The RARP frames still to come after a restore.
     announcer: announce::Announcer,
-    /// One per pair: the receive queue's re-check timer.
-    rx_timers: Vec<Arc<recheck::RecheckTimer>>,
-    /// One per pair: the transmit queue's re-check timer.
-    tx_timers: Vec<Arc<recheck::RecheckTimer>>,
+    /// One per pair: its queues' re-check timers.
+    timers: Vec<PairTimers>,
+}
+
+/// A pair's re-check timers (made at start-up: the I/O threads may not create them).
+struct PairTimers {
+    rx: Arc<recheck::RecheckTimer>,
+    tx: Arc<recheck::RecheckTimer>,
+}
+
+impl PairTimers {
+    fn new() -> std::io::Result<PairTimers> {
+        Ok(PairTimers {
+            rx: Arc::new(recheck::RecheckTimer::new()?),
+            tx: Arc::new(recheck::RecheckTimer::new()?),
+        })
+    }
 }
 
 impl Net {
@@ -154,12 +167,9 @@ impl Net {
             .collect();
         let wanted = TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_TSO_ECN | TUN_F_UFO;
         let tap_offloads = taps.first().map_or(0, |t| t.probe_offloads(wanted));
-        let timers = || {
-            (0..pairs)
-                .map(|_| recheck::RecheckTimer::new().map(Arc::new))
-                .collect::<std::io::Result<Vec<_>>>()
-        };
-        let (rx_timers, tx_timers) = (timers()?, timers()?);
+        let timers = (0..pairs)
+            .map(|_| PairTimers::new())
+            .collect::<std::io::Result<Vec<_>>>()?;
         let steering_wakers = (0..pairs)
             .map(|_| Waker::new().map(Arc::new))
             .collect::<std::io::Result<_>>()?;
@@ -187,8 +197,7 @@ impl Net {
             kernel: None,
             paused: false,
             announcer: announce::Announcer::default(),
-            rx_timers,
-            tx_timers,
+            timers,
         })
     }
 
@@ -514,11 +523,7 @@ impl Net {
             )));
         };
         let acked = self.acked_features;
-        let timers = self
-            .rx_timers
-            .get(usize::from(pair))
-            .zip(self.tx_timers.get(usize::from(pair)));
-        let Some((rx_timer, tx_timer)) = timers else {
+        let Some(timers) = self.timers.get(usize::from(pair)) else {
             return Err(ActivateError(format!(
                 "virtio-net: no re-check timers for pair {pair}"
             )));
@@ -536,8 +541,8 @@ impl Net {
             tap_failed: None,
             rx_buf: vec![0; MAX_GSO_FRAME],
             rx_delivered: 0,
-            rx_recheck: recheck::Recheck::new(rx_timer.clone()),
-            tx: recheck::TxBatching::new(tx_timer.clone()),
+            rx_recheck: recheck::Recheck::new(timers.rx.clone()),
+            tx: recheck::TxBatching::new(timers.tx.clone()),
         })
     }
 }

@@ -135,8 +135,8 @@ fn merged_receiver(net: &Net, ring: u16, frame: &[u8], event_idx: bool) -> (Test
         tap_failed: None,
         rx_buf,
         rx_delivered: 0,
-        rx_recheck: Recheck::new(net.rx_timers[0].clone()),
-        tx: TxBatching::new(net.tx_timers[0].clone()),
+        rx_recheck: Recheck::new(net.timers[0].rx.clone()),
+        tx: TxBatching::new(net.timers[0].tx.clone()),
     };
     let config = WorkerConfig {
         name: "net-rx-test".into(),
