@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""A/B of ferrovm's loopback migration with stage timings and CPU time per side, against
+QEMU 7.2 multifd in the same run (docs/migration.md, "Where the time goes").
+
+    sudo bench/migab.py [--runs N] [--mib 896] [--gib 1] [--variants on,off,qemu]
+                        [--env-b NAME=VALUE] [--connections N]
+
+Variants: `on` and `off` run target/release/ferrovm with FERROVM_MIGRATION_SPLICE on the
+source set to on/off (plus --env-b on the destination and source of `b`, to A/B another
+switch: `--variants a,b,qemu --env-b FERROVM_X=off`); `qemu` is bench.py's QEMU multifd run
+(4 channels). Rounds alternate the order of the variants. Every run primes the host memory
+(`hostbench prime`, as bench.py does) and holds /tmp/ferrovm-bench.lock (flock) so that
+benchmarks on this machine never overlap. Prints one JSON line per run, then medians.
+"""
+import argparse
+import fcntl
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import bench  # noqa: E402
+
+LOCK = "/tmp/ferrovm-bench.lock"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid):
+    """User + system CPU seconds of a process (its threads, living and ended)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def wait_serial(path, proc, timeout=180):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if re.search(r"tick 1 ok", open(path, errors="replace").read()):
+                return True
+        except FileNotFoundError:
+            pass
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.1)
+    return False
+
+
+def run_ferrovm(gib, mib, src_env, dst_env, connections):
+    work = tempfile.mkdtemp(prefix="fvmigab")
+    port = 7600 + int.from_bytes(os.urandom(2), "little") % 1000
+    env = dict(os.environ, FERROVM_LOG="info")
+    dst = subprocess.Popen([bench.FERROVM, "run", "--incoming", f"tcp:127.0.0.1:{port}",
+                            "--memory", f"{gib}G", "--serial", f"file:{work}/dst.serial",
+                            "--api-socket", f"{work}/dst.sock"],
+                           env={**env, **dst_env}, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=open(f"{work}/dst.err", "w"))
+    src = subprocess.Popen([bench.FERROVM, "run", "--kernel", bench.guest("migrate-idle"),
+                            "--cmdline", f"mib={mib}", "--memory", f"{gib}G",
+                            "--serial", f"file:{work}/src.serial",
+                            "--api-socket", f"{work}/src.sock"],
+                           env={**env, **src_env}, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=open(f"{work}/src.err", "w"))
+    out = ""
+    try:
+        if not wait_serial(f"{work}/src.serial", src):
+            return {"ok": False, "error": "guest did not start"}
+        c0 = (cpu_s(src.pid), cpu_s(dst.pid))
+        opts = ["--connections", str(connections)] if connections else []
+        out = subprocess.run([bench.FERROVM, "ctl", "--api-socket", f"{work}/src.sock",
+                              "--json", "migrate", f"tcp:127.0.0.1:{port}"] + opts,
+                             capture_output=True, text=True, timeout=300).stdout
+        c1 = (cpu_s(src.pid), cpu_s(dst.pid))
+        rep = json.loads(out.strip().splitlines()[-1])["report"]
+        time.sleep(0.2)
+        m = re.search(r"migration received: (\{.*\})", open(f"{work}/dst.err").read())
+        got = json.loads(m.group(1)) if m else {}
+        st = rep["stages"]
+        return {"ok": True, "total_ms": rep["total_ms"], "downtime_ms": rep["downtime_ms"],
+                "src_cpu_s": round(c1[0] - c0[0], 2), "dst_cpu_s": round(c1[1] - c0[1], 2),
+                "src": {k: st[k] for k in st}, "dst": got.get("stages", {}),
+                "dst_total_ms": got.get("total_time_ms"), "bytes": rep["bytes_total"]}
+    except (json.JSONDecodeError, IndexError, KeyError, OSError) as e:
+        return {"ok": False, "error": f"{e}: {out[-300:]}"}
+    finally:
+        for p in (src, dst):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        subprocess.run(["rm", "-rf", work])
+
+
+def run_qemu(gib, mib):
+    return bench.qemu_migrate("loopback", "migrate-idle", f"mib={mib}", gib, False, 300,
+                              multifd=4)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--gib", type=int, default=1)
+    ap.add_argument("--mib", type=int, default=896)
+    ap.add_argument("--variants", default="on,off,qemu")
+    ap.add_argument("--env-b", action="append", default=[])
+    ap.add_argument("--connections", type=int, default=0)
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    env_b = dict(e.split("=", 1) for e in args.env_b)
+    results = {}
+    for r in range(args.runs):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for v in order:
+            with open(LOCK, "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                bench.prime(2 * args.mib + 256)
+                load = os.getloadavg()[0]
+                if v == "qemu":
+                    m = run_qemu(args.gib, args.mib)
+                else:
+                    src_env = {"FERROVM_MIGRATION_SPLICE": "off" if v == "off" else "on"}
+                    dst_env = env_b if v == "b" else {}
+                    if v == "b":
+                        src_env.update(env_b)
+                    m = run_ferrovm(args.gib, args.mib, src_env, dst_env, args.connections)
+            m.update(variant=v, run=r, load=round(load, 2),
+                     utc=time.strftime("%H:%M:%S", time.gmtime()))
+            print(json.dumps(m), flush=True)
+            results.setdefault(v, []).append(m)
+    for v, ms in results.items():
+        ok = [m for m in ms if m.get("ok")]
+        if not ok:
+            print(f"{v}: no successful run")
+            continue
+        tot = sorted(m["total_ms"] for m in ok)
+        line = f"{v}: total ms {tot} median {statistics.median(tot):.0f}"
+        if "src_cpu_s" in ok[0]:
+            line += (f"; CPU s src {sorted(m['src_cpu_s'] for m in ok)}"
+                     f" dst {sorted(m['dst_cpu_s'] for m in ok)}")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
