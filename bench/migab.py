@@ -5,7 +5,8 @@ QEMU 7.2 multifd in the same run (docs/migration.md, "Where the time goes").
     sudo bench/migab.py [--runs N] [--mib 896] [--gib 1] [--variants on,off,qemu]
                         [--env-b NAME=VALUE] [--connections N]
 
-Variants: `on` and `off` run target/release/ferrovm with FERROVM_MIGRATION_SPLICE on the
+Variants (any other name runs like `on`, with its own binary given by --bin NAME=PATH):
+`on` and `off` run target/release/ferrovm with FERROVM_MIGRATION_SPLICE on the
 source set to on/off (plus --env-b on the destination and source of `b`, to A/B another
 switch: `--variants a,b,qemu --env-b FERROVM_X=off`); `qemu` is bench.py's QEMU multifd run
 (4 channels). Rounds alternate the order of the variants. Every run primes the host memory
@@ -27,6 +28,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import bench  # noqa: E402
 
 LOCK = "/tmp/ferrovm-bench.lock"
+PERF_OUT = os.environ.get("MIGAB_PERF")  # perf record -a around each migration
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -51,16 +53,16 @@ def wait_serial(path, proc, timeout=180):
     return False
 
 
-def run_ferrovm(gib, mib, src_env, dst_env, connections):
+def run_ferrovm(gib, mib, src_env, dst_env, connections, binary):
     work = tempfile.mkdtemp(prefix="fvmigab")
     port = 7600 + int.from_bytes(os.urandom(2), "little") % 1000
     env = dict(os.environ, FERROVM_LOG="info")
-    dst = subprocess.Popen([bench.FERROVM, "run", "--incoming", f"tcp:127.0.0.1:{port}",
+    dst = subprocess.Popen([binary, "run", "--incoming", f"tcp:127.0.0.1:{port}",
                             "--memory", f"{gib}G", "--serial", f"file:{work}/dst.serial",
                             "--api-socket", f"{work}/dst.sock"],
                            env={**env, **dst_env}, stdin=subprocess.DEVNULL,
                            stdout=subprocess.DEVNULL, stderr=open(f"{work}/dst.err", "w"))
-    src = subprocess.Popen([bench.FERROVM, "run", "--kernel", bench.guest("migrate-idle"),
+    src = subprocess.Popen([binary, "run", "--kernel", bench.guest("migrate-idle"),
                             "--cmdline", f"mib={mib}", "--memory", f"{gib}G",
                             "--serial", f"file:{work}/src.serial",
                             "--api-socket", f"{work}/src.sock"],
@@ -70,12 +72,29 @@ def run_ferrovm(gib, mib, src_env, dst_env, connections):
     try:
         if not wait_serial(f"{work}/src.serial", src):
             return {"ok": False, "error": "guest did not start"}
+        perf = None
+        if PERF_OUT:
+            perf = subprocess.Popen(["perf", "record", "-a", "-q", "-o", PERF_OUT],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+        stats = [subprocess.Popen(["perf", "stat", "-e", "task-clock", "-x,", "-p", str(p.pid)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for p in (src, dst)]
+        time.sleep(0.3)
         c0 = (cpu_s(src.pid), cpu_s(dst.pid))
         opts = ["--connections", str(connections)] if connections else []
-        out = subprocess.run([bench.FERROVM, "ctl", "--api-socket", f"{work}/src.sock",
+        out = subprocess.run([binary, "ctl", "--api-socket", f"{work}/src.sock",
                               "--json", "migrate", f"tcp:127.0.0.1:{port}"] + opts,
                              capture_output=True, text=True, timeout=300).stdout
         c1 = (cpu_s(src.pid), cpu_s(dst.pid))
+        if perf:
+            perf.send_signal(2)
+            perf.wait()
+        task_ms = []
+        for st in stats:
+            st.send_signal(2)
+            err = st.communicate()[1]
+            task_ms.append(float(err.strip().splitlines()[-1].split(",")[0]))
         rep = json.loads(out.strip().splitlines()[-1])["report"]
         time.sleep(0.2)
         m = re.search(r"migration received: (\{.*\})", open(f"{work}/dst.err").read())
@@ -83,8 +102,9 @@ def run_ferrovm(gib, mib, src_env, dst_env, connections):
         st = rep["stages"]
         return {"ok": True, "total_ms": rep["total_ms"], "downtime_ms": rep["downtime_ms"],
                 "src_cpu_s": round(c1[0] - c0[0], 2), "dst_cpu_s": round(c1[1] - c0[1], 2),
+                "src_task_ms": round(task_ms[0]), "dst_task_ms": round(task_ms[1]),
                 "src": {k: st[k] for k in st}, "dst": got.get("stages", {}),
-                "dst_total_ms": got.get("total_time_ms"), "bytes": rep["bytes_total"]}
+                "bytes": rep["bytes_total"]}
     except (json.JSONDecodeError, IndexError, KeyError, OSError) as e:
         return {"ok": False, "error": f"{e}: {out[-300:]}"}
     finally:
@@ -108,9 +128,12 @@ def main():
     ap.add_argument("--variants", default="on,off,qemu")
     ap.add_argument("--env-b", action="append", default=[])
     ap.add_argument("--connections", type=int, default=0)
+    ap.add_argument("--bin", action="append", default=[],
+                    help="VARIANT=PATH: the ferrovm binary of a variant (A/B of two builds)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     env_b = dict(e.split("=", 1) for e in args.env_b)
+    binaries = dict(e.split("=", 1) for e in args.bin)
     results = {}
     for r in range(args.runs):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
@@ -122,11 +145,12 @@ def main():
                 if v == "qemu":
                     m = run_qemu(args.gib, args.mib)
                 else:
-                    src_env = {"FERROVM_MIGRATION_SPLICE": "off" if v == "off" else "on"}
+                    src_env = {"FERROVM_MIGRATION_SPLICE": "off" if v.endswith("off") else "on"}
                     dst_env = env_b if v == "b" else {}
                     if v == "b":
                         src_env.update(env_b)
-                    m = run_ferrovm(args.gib, args.mib, src_env, dst_env, args.connections)
+                    m = run_ferrovm(args.gib, args.mib, src_env, dst_env, args.connections,
+                                    binaries.get(v, bench.FERROVM))
             m.update(variant=v, run=r, load=round(load, 2),
                      utc=time.strftime("%H:%M:%S", time.gmtime()))
             print(json.dumps(m), flush=True)
