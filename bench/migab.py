@@ -2,16 +2,20 @@
 """A/B of ferrovm's loopback migration with stage timings and CPU time per side, against
 QEMU 7.2 multifd in the same run (docs/migration.md, "Where the time goes").
 
-    sudo bench/migab.py [--runs N] [--mib 896] [--gib 1] [--variants on,off,qemu]
-                        [--env-b NAME=VALUE] [--connections N]
+    sudo bench/migab.py [--runs N] [--gib 1] [--mib 896] [--variants a,b,qemu]
+                        [--bin VARIANT=PATH]... [--env VARIANT:NAME=VALUE]...
+                        [--connections N]
 
-Variants (any other name runs like `on`, with its own binary given by --bin NAME=PATH):
-`on` and `off` run target/release/ferrovm with FERROVM_MIGRATION_SPLICE on the
-source set to on/off (plus --env-b on the destination and source of `b`, to A/B another
-switch: `--variants a,b,qemu --env-b FERROVM_X=off`); `qemu` is bench.py's QEMU multifd run
-(4 channels). Rounds alternate the order of the variants. Every run primes the host memory
-(`hostbench prime`, as bench.py does) and holds /tmp/ferrovm-bench.lock (flock) so that
-benchmarks on this machine never overlap. Prints one JSON line per run, then medians.
+Each variant other than `qemu` is a ferrovm build (--bin; default target/release/ferrovm)
+with environment variables of its own on both sides (--env), e.g. two builds:
+`--variants old,new --bin old=/tmp/ferrovm-old`, or one switch:
+`--variants on,off --env off:FERROVM_MIGRATION_POPULATE=off`. `qemu` is bench.py's QEMU
+multifd run (4 channels). Rounds alternate the order of the variants. Every run primes the
+host memory (`hostbench prime`, as bench.py does) and holds /tmp/ferrovm-bench.lock (flock)
+so that benchmarks on this machine never overlap. Prints one JSON line per run (total,
+source `report.stages`, the destination's `stages` from its log, CPU per process from
+`perf stat -e task-clock` and /proc), then the figures per variant.
+MIGAB_PERF=FILE also records `perf record -a` around each migration.
 """
 import argparse
 import fcntl
@@ -53,20 +57,20 @@ def wait_serial(path, proc, timeout=180):
     return False
 
 
-def run_ferrovm(gib, mib, src_env, dst_env, connections, binary):
+def run_ferrovm(gib, mib, var_env, connections, binary):
     work = tempfile.mkdtemp(prefix="fvmigab")
     port = 7600 + int.from_bytes(os.urandom(2), "little") % 1000
     env = dict(os.environ, FERROVM_LOG="info")
     dst = subprocess.Popen([binary, "run", "--incoming", f"tcp:127.0.0.1:{port}",
                             "--memory", f"{gib}G", "--serial", f"file:{work}/dst.serial",
                             "--api-socket", f"{work}/dst.sock"],
-                           env={**env, **dst_env}, stdin=subprocess.DEVNULL,
+                           env={**env, **var_env}, stdin=subprocess.DEVNULL,
                            stdout=subprocess.DEVNULL, stderr=open(f"{work}/dst.err", "w"))
     src = subprocess.Popen([binary, "run", "--kernel", bench.guest("migrate-idle"),
                             "--cmdline", f"mib={mib}", "--memory", f"{gib}G",
                             "--serial", f"file:{work}/src.serial",
                             "--api-socket", f"{work}/src.sock"],
-                           env={**env, **src_env}, stdin=subprocess.DEVNULL,
+                           env={**env, **var_env}, stdin=subprocess.DEVNULL,
                            stdout=subprocess.DEVNULL, stderr=open(f"{work}/src.err", "w"))
     out = ""
     try:
@@ -125,14 +129,18 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gib", type=int, default=1)
     ap.add_argument("--mib", type=int, default=896)
-    ap.add_argument("--variants", default="on,off,qemu")
-    ap.add_argument("--env-b", action="append", default=[])
+    ap.add_argument("--variants", default="ferrovm,qemu")
+    ap.add_argument("--env", action="append", default=[],
+                    help="VARIANT:NAME=VALUE, set on both sides of the variant's runs")
     ap.add_argument("--connections", type=int, default=0)
     ap.add_argument("--bin", action="append", default=[],
                     help="VARIANT=PATH: the ferrovm binary of a variant (A/B of two builds)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    env_b = dict(e.split("=", 1) for e in args.env_b)
+    envs = {}
+    for e in args.env:
+        v, kv = e.split(":", 1)
+        envs.setdefault(v, {}).update([kv.split("=", 1)])
     binaries = dict(e.split("=", 1) for e in args.bin)
     results = {}
     for r in range(args.runs):
@@ -145,11 +153,7 @@ def main():
                 if v == "qemu":
                     m = run_qemu(args.gib, args.mib)
                 else:
-                    src_env = {"FERROVM_MIGRATION_SPLICE": "off" if v.endswith("off") else "on"}
-                    dst_env = env_b if v == "b" else {}
-                    if v == "b":
-                        src_env.update(env_b)
-                    m = run_ferrovm(args.gib, args.mib, src_env, dst_env, args.connections,
+                    m = run_ferrovm(args.gib, args.mib, envs.get(v, {}), args.connections,
                                     binaries.get(v, bench.FERROVM))
             m.update(variant=v, run=r, load=round(load, 2),
                      utc=time.strftime("%H:%M:%S", time.gmtime()))
@@ -162,9 +166,13 @@ def main():
             continue
         tot = sorted(m["total_ms"] for m in ok)
         line = f"{v}: total ms {tot} median {statistics.median(tot):.0f}"
-        if "src_cpu_s" in ok[0]:
-            line += (f"; CPU s src {sorted(m['src_cpu_s'] for m in ok)}"
-                     f" dst {sorted(m['dst_cpu_s'] for m in ok)}")
+        if "src_task_ms" in ok[0]:
+            for k in ("src_task_ms", "dst_task_ms"):
+                line += f"; {k} {sorted(m[k] for m in ok)}"
+            for side, key in (("src", "inspect_ms"), ("src", "write_ms"), ("dst", "populate_ms"),
+                              ("dst", "read_ms"), ("dst", "crc_ms")):
+                vals = sorted(round(m[side][key]) for m in ok if key in m[side])
+                line += f"; {side} {key} {vals[0]}-{vals[-1]}" if vals else ""
         print(line)
 
 

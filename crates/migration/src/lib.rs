@@ -27,8 +27,6 @@ mod receive;
 mod resident;
 mod senders;
 mod sink;
-#[cfg(target_os = "linux")]
-mod splice;
 mod stages;
 mod stream;
 

@@ -377,16 +377,7 @@ where
     P: FnMut(&Progress),
 {
     run_migration(
-        ram,
-        config,
-        dirty,
-        vm,
-        (out, data, |_: &W| None),
-        ack_in,
-        params,
-        None,
-        progress,
-        None,
+        ram, config, dirty, vm, out, data, ack_in, params, None, progress, None,
     )
 }
 
@@ -431,7 +422,8 @@ where
         config,
         dirty,
         vm,
-        (out, data, crate::sink::socket_of::<W>),
+        out,
+        data,
         ack_in,
         params,
         postcopy,
@@ -440,16 +432,14 @@ where
     )
 }
 
-/// Finds the socket a writer writes to, for zero-copy sending (`crate::sink::socket_of`).
-type SocketOf<W> = fn(&W) -> Option<i32>;
-
 #[allow(clippy::too_many_arguments)]
 fn run_migration<G, D, V, W, R, P>(
     ram: &G,
     config: &MigrationConfig,
     dirty: &mut D,
     vm: &mut V,
-    (out, data, socket_of): (W, Vec<W>, SocketOf<W>),
+    out: W,
+    data: Vec<W>,
     ack_in: R,
     params: &MigrationParams,
     postcopy: Option<&PostcopySource<'_>>,
@@ -478,21 +468,14 @@ where
     let layout = Layout::of(ram)?;
     check_config_matches_ram(config, &layout)?;
     let t0 = Instant::now();
-    // Page data goes into sockets without a copy where the writer is one (Linux).
-    let writer = |w: W| {
-        let socket = socket_of(&w);
-        let mut w = StreamWriter::with_max_bandwidth(w, share);
-        w.out.zero_copy_into(socket);
-        w
-    };
     let mut eng = Engine {
         layout,
         file_pages: ram.file_data_pages(),
-        w: writer(out),
+        w: StreamWriter::with_max_bandwidth(out, share),
         lanes: data
             .into_iter()
             .map(|d| LaneKit {
-                w: writer(d),
+                w: StreamWriter::with_max_bandwidth(d, share),
                 comp: Compressor::new(params.compression),
             })
             .collect(),
@@ -957,8 +940,6 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
                         .sum::<Duration>(),
                 compress: self.compressor.time
                     + self.lanes.iter().map(|l| l.comp.time).sum::<Duration>(),
-                zero_copy_bytes: self.w.out.spliced
-                    + self.lanes.iter().map(|l| l.w.out.spliced).sum::<u64>(),
                 ..self.stages.clone()
             },
             compression: self.params.compression,

@@ -1,18 +1,12 @@
 //! The sending side's output path: frames are gathered into an I/O vector (small headers in
 //! an arena, page data as pointers into the guest mapping) and written with
-//! `write_vectored`, through an optional token-bucket bandwidth limit. On Linux, a batch
-//! with guest pages bound for a socket goes out without a copy instead: the pages are
-//! spliced into the socket by reference (`crate::splice`).
+//! `write_vectored`, through an optional token-bucket bandwidth limit.
 
 use std::io::{self, IoSlice, Write};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-#[cfg(target_os = "linux")]
-use crate::splice::{unsupported, Piece, SplicePipe};
-#[cfg(target_os = "linux")]
-use std::os::fd::RawFd;
 
 /// Flush a batch once it holds this many I/O vector entries (Linux's IOV_MAX is 1024).
 const MAX_SEGS: usize = 512;
@@ -78,19 +72,6 @@ pub(crate) struct Out<W: Write> {
     pub broken: bool,
     /// Time spent in writes (stage timing).
     pub write_time: Duration,
-    /// Bytes of guest memory sent by reference (zero-copy), part of `bytes`.
-    pub spliced: u64,
-    #[cfg(target_os = "linux")]
-    zero_copy: ZeroCopy,
-}
-
-/// Whether and how an [`Out`] sends guest pages without copying them.
-#[cfg(target_os = "linux")]
-enum ZeroCopy {
-    Off,
-    /// `inner` writes to this socket; the pipe is made at the first batch of pages.
-    Socket(RawFd),
-    Spliced(RawFd, SplicePipe),
 }
 
 impl<W: Write> Out<W> {
@@ -101,28 +82,7 @@ impl<W: Write> Out<W> {
             bytes: 0,
             broken: false,
             write_time: Duration::ZERO,
-            spliced: 0,
-            #[cfg(target_os = "linux")]
-            zero_copy: ZeroCopy::Off,
         }
-    }
-
-    /// Sends guest pages by reference into `socket`, the socket that `inner` writes to (its
-    /// descriptor stays open while `inner` lives). Only without a bandwidth limit (the
-    /// limiter paces `writev`); elsewhere than on Linux, nothing changes.
-    pub fn zero_copy_into(&mut self, socket: Option<i32>) {
-        #[cfg(target_os = "linux")]
-        if let (Some(fd), None) = (socket, &self.limiter) {
-            self.zero_copy = ZeroCopy::Socket(fd);
-        }
-        #[cfg(not(target_os = "linux"))]
-        let _ = socket;
-    }
-
-    /// True if a batch with guest pages goes out spliced.
-    #[cfg(target_os = "linux")]
-    fn splices(&self) -> bool {
-        !matches!(self.zero_copy, ZeroCopy::Off)
     }
 
     /// Writes every byte of `bufs`, handling short writes, EINTR and the bandwidth limit.
@@ -198,146 +158,6 @@ impl<W: Write> Out<W> {
             return Err(Error::io("flushing the migration stream", e));
         }
         Ok(())
-    }
-}
-
-/// Where a spliced batch stopped because the socket or kernel cannot splice: the rest, from
-/// this piece and byte within it, goes out with `writev`.
-type Resume = Option<(usize, usize)>;
-
-#[cfg(target_os = "linux")]
-impl<W: Write> Out<W> {
-    /// Sends `pieces` in order through the pipe into the socket. Returns where to resume with
-    /// `writev` if splicing is not supported (zero-copy is then off for good).
-    fn splice_pieces(&mut self, pieces: &[Piece<'_>]) -> Result<Resume> {
-        if self.broken {
-            return Err(Error::io(
-                "writing the migration stream",
-                io::Error::other("an earlier write failed"),
-            ));
-        }
-        // Bytes buffered by `inner` (small batches) go before the spliced ones.
-        self.flush()?;
-        let (sock, mut pipe) = match std::mem::replace(&mut self.zero_copy, ZeroCopy::Off) {
-            ZeroCopy::Spliced(sock, pipe) => (sock, pipe),
-            ZeroCopy::Socket(sock) => match SplicePipe::new() {
-                Ok(pipe) => (sock, pipe),
-                Err(e) => {
-                    log::debug!("migration: no pipe for zero-copy sending ({e}); using writev");
-                    return Ok(Some((0, 0)));
-                }
-            },
-            ZeroCopy::Off => return Ok(Some((0, 0))),
-        };
-        let mut references = 0u64;
-        for (i, piece) in pieces.iter().enumerate() {
-            let mut done = 0;
-            while done < piece.len() {
-                match pipe.put(&piece.from(done)) {
-                    Ok(0) => {
-                        if !self.drain(sock, &mut pipe, true)? {
-                            return Ok(Some((i, done)));
-                        }
-                    }
-                    Ok(n) => {
-                        if matches!(piece, Piece::Reference(..)) {
-                            references += n as u64;
-                        }
-                        done += n;
-                    }
-                    Err(e) if unsupported(&e) => {
-                        log_fallback("vmsplice", &e);
-                        self.drain(sock, &mut pipe, false)?;
-                        return Ok(Some((i, done)));
-                    }
-                    Err(e) => return Err(self.failed(e)),
-                }
-            }
-        }
-        if self.drain(sock, &mut pipe, false)? {
-            self.spliced += references;
-            self.zero_copy = ZeroCopy::Spliced(sock, pipe);
-        }
-        Ok(None)
-    }
-
-    /// Moves everything in the pipe into the socket. If the socket refuses `splice`, reads
-    /// the rest back and writes it instead, and returns false (zero-copy is then off).
-    fn drain(&mut self, sock: RawFd, pipe: &mut SplicePipe, more: bool) -> Result<bool> {
-        while pipe.queued() > 0 {
-            match pipe.splice_into(sock, more) {
-                Ok(n) => self.bytes += n as u64,
-                Err(e) if unsupported(&e) => {
-                    log_fallback("splice", &e);
-                    self.copy_back(pipe)?;
-                    return Ok(false);
-                }
-                Err(e) => return Err(self.failed(e)),
-            }
-        }
-        Ok(true)
-    }
-
-    fn copy_back(&mut self, pipe: &mut SplicePipe) -> Result<()> {
-        let mut buf = vec![0u8; 64 << 10];
-        while pipe.queued() > 0 {
-            let n = pipe.read_back(&mut buf).map_err(|e| self.failed(e))?;
-            self.inner
-                .write_all(&buf[..n])
-                .map_err(|e| self.failed(e))?;
-            self.bytes += n as u64;
-        }
-        self.flush()
-    }
-
-    fn failed(&mut self, e: io::Error) -> Error {
-        self.broken = true;
-        Error::io("writing the migration stream", e)
-    }
-}
-
-/// Logs once per process that zero-copy sending fell back to `writev`.
-#[cfg(target_os = "linux")]
-fn log_fallback(call: &str, e: &io::Error) {
-    static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        log::debug!("migration: {call} into the socket failed ({e}); sending with writev");
-    }
-}
-
-/// The socket a migration writer writes to, if it is one the engine can splice into: a
-/// `TcpStream` or `UnixStream`, bare or in a `BufWriter` (what the VMM passes). The engine is
-/// generic over `Write`; this looks at the concrete type. `FERROVM_MIGRATION_SPLICE=off`
-/// turns zero-copy sending off (to measure what it saves).
-pub(crate) fn socket_of<W: Write + 'static>(w: &W) -> Option<i32> {
-    #[cfg(target_os = "linux")]
-    {
-        use std::any::Any;
-        use std::io::BufWriter;
-        use std::net::TcpStream;
-        use std::os::fd::AsRawFd;
-        use std::os::unix::net::UnixStream;
-        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let enabled = *ENABLED
-            .get_or_init(|| std::env::var("FERROVM_MIGRATION_SPLICE").map_or(true, |v| v != "off"));
-        let any = w as &dyn Any;
-        let fd = if let Some(s) = any.downcast_ref::<TcpStream>() {
-            s.as_raw_fd()
-        } else if let Some(s) = any.downcast_ref::<BufWriter<TcpStream>>() {
-            s.get_ref().as_raw_fd()
-        } else if let Some(s) = any.downcast_ref::<UnixStream>() {
-            s.as_raw_fd()
-        } else if let Some(s) = any.downcast_ref::<BufWriter<UnixStream>>() {
-            s.get_ref().as_raw_fd()
-        } else {
-            return None;
-        };
-        enabled.then_some(fd)
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = w;
-        None
     }
 }
 
@@ -419,54 +239,14 @@ impl Batch {
         self.bytes = 0;
     }
 
-    /// Writes everything queued: spliced into the socket when the writer is set up for it
-    /// and the batch holds guest pages, else with as few `writev` calls as the writer allows.
+    /// Writes everything queued with as few `writev` calls as the writer allows.
     pub fn flush_to<W: Write>(&mut self, out: &mut Out<W>) -> Result<()> {
         if self.segs.is_empty() {
             return Ok(());
         }
-        let res = match self.splice_to(out) {
-            Ok(None) => Ok(()),
-            Ok(Some(from)) => self.writev_from(out, from),
-            Err(e) => Err(e),
-        };
-        self.clear();
-        res
-    }
-
-    /// Splices the batch into the socket if the writer is set up for it and the batch holds
-    /// guest pages; returns where `writev` must take over (all of it when not splicing).
-    fn splice_to<W: Write>(&self, out: &mut Out<W>) -> Result<Resume> {
-        #[cfg(target_os = "linux")]
-        if out.splices() && self.segs.iter().any(|s| matches!(s, Seg::Guest(..))) {
-            let t = Instant::now();
-            let res = out.splice_pieces(&self.pieces());
-            out.write_time += t.elapsed();
-            return res;
-        }
-        #[cfg(not(target_os = "linux"))]
-        let _ = out;
-        Ok(Some((0, 0)))
-    }
-
-    /// The batch as pieces for the pipe: arena bytes to copy, guest memory by reference.
-    #[cfg(target_os = "linux")]
-    fn pieces(&self) -> Vec<Piece<'_>> {
-        self.segs
-            .iter()
-            .map(|s| match s {
-                Seg::Arena(r) => Piece::Copy(&self.arena[r.clone()]),
-                // By the invariant of `push_guest`, the range stays mapped until the batch
-                // is flushed or cleared, which is after the pieces are sent.
-                Seg::Guest(p, l) => Piece::Reference(*p, *l),
-            })
-            .collect()
-    }
-
-    /// Writes the batch from segment `from.0`, byte `from.1` on, with `writev`.
-    fn writev_from<W: Write>(&self, out: &mut Out<W>, from: (usize, usize)) -> Result<()> {
         let arena = &self.arena;
-        let mut iov: Vec<IoSlice<'_>> = self.segs[from.0..]
+        let mut iov: Vec<IoSlice<'_>> = self
+            .segs
             .iter()
             .map(|s| match s {
                 Seg::Arena(r) => IoSlice::new(&arena[r.clone()]),
@@ -480,17 +260,16 @@ impl Batch {
                 }
             })
             .collect();
-        let mut rest: &mut [IoSlice<'_>] = &mut iov;
-        IoSlice::advance_slices(&mut rest, from.1);
-        out.write_all_vectored(rest)
+        let res = out.write_all_vectored(&mut iov);
+        drop(iov);
+        self.clear();
+        res
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    #[cfg(target_os = "linux")]
-    use std::io::Read;
 
     /// A writer that accepts at most 7 bytes per call and fails with EINTR every other call.
     struct Choppy {
@@ -534,81 +313,6 @@ mod tests {
         want.extend_from_slice(b" world");
         assert_eq!(out.inner.data, want);
         assert_eq!(out.bytes, want.len() as u64);
-    }
-
-    /// A descriptor that refuses `splice` (a file opened for appending: EINVAL): the bytes
-    /// already in the pipe are read back and written, the rest goes through `writev`, and
-    /// later batches use `writev` only.
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn zero_copy_falls_back_to_writev() {
-        use std::os::fd::AsRawFd;
-        let path = std::env::temp_dir().join(format!("zc-fallback-{}", std::process::id()));
-        std::fs::write(&path, b"").unwrap();
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .unwrap();
-        let fd = file.as_raw_fd();
-        let mut out = Out::new(file, None);
-        out.zero_copy_into(Some(fd));
-        let pages: Vec<u8> = (0..3 << 20).map(|i| (i % 251) as u8).collect();
-        let mut want = Vec::new();
-        for round in 0..2u8 {
-            let mut batch = Batch::new();
-            for chunk in pages.chunks(1 << 20) {
-                batch.push_bytes(&[round; 40]);
-                // SAFETY: `pages` outlives the flush below.
-                unsafe { batch.push_guest(chunk.as_ptr(), chunk.len()) };
-                batch.push_bytes(&[0xee; 8]);
-                want.extend_from_slice(&[round; 40]);
-                want.extend_from_slice(chunk);
-                want.extend_from_slice(&[0xee; 8]);
-            }
-            batch.flush_to(&mut out).unwrap();
-            assert!(!out.splices(), "zero-copy is off after the first refusal");
-        }
-        assert_eq!(out.spliced, 0);
-        assert_eq!(out.bytes, want.len() as u64);
-        let got = std::fs::read(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        assert!(got == want, "the file holds the stream in order");
-    }
-
-    /// Over a socket pair, a batch of guest pages goes through the pipe by reference, in
-    /// order with the headers around it, across several pipe fills.
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn zero_copy_into_a_socket_keeps_the_order() {
-        use std::os::fd::AsRawFd;
-        let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let fd = a.as_raw_fd();
-        let pages: Vec<u8> = (0..5 << 20).map(|i| (i % 253) as u8).collect();
-        let mut want = Vec::new();
-        for chunk in pages.chunks(1 << 20) {
-            want.extend_from_slice(b"head");
-            want.extend_from_slice(chunk);
-            want.extend_from_slice(b"tail");
-        }
-        let expected = want.len();
-        let reader = std::thread::spawn(move || {
-            let mut got = vec![0u8; expected];
-            b.read_exact(&mut got).unwrap();
-            got
-        });
-        let mut out = Out::new(std::io::BufWriter::new(a), None);
-        out.zero_copy_into(Some(fd));
-        let mut batch = Batch::new();
-        for chunk in pages.chunks(1 << 20) {
-            batch.push_bytes(b"head");
-            // SAFETY: `pages` outlives the flush below.
-            unsafe { batch.push_guest(chunk.as_ptr(), chunk.len()) };
-            batch.push_bytes(b"tail");
-        }
-        batch.flush_to(&mut out).unwrap();
-        assert_eq!(out.spliced, pages.len() as u64);
-        assert_eq!(out.bytes, want.len() as u64);
-        assert!(reader.join().unwrap() == want);
     }
 
     #[test]

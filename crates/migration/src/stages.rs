@@ -25,9 +25,6 @@ pub struct SourceStages {
     /// Waiting for the destination's `RoundAck` after a round was written.
     #[serde(rename = "round_ack_wait_ms", serialize_with = "ms")]
     pub round_ack_wait: Duration,
-    /// Bytes of guest memory sent without a copy (spliced into the socket by reference;
-    /// Linux, sockets only), part of the bytes sent. 0: every byte went through `writev`.
-    pub zero_copy_bytes: u64,
 }
 
 /// The destination's time per stage, summed over all rounds.

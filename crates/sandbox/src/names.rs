@@ -214,7 +214,7 @@ fn ioctl_requests() -> Vec<(&'static str, u64)> {
 
 use libc::{
     F_DUPFD, F_DUPFD_CLOEXEC, F_GETFD, F_GETFL, F_GETLK, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW,
-    F_SETFD, F_SETFL, F_SETLK, F_SETLKW, F_SETPIPE_SZ,
+    F_SETFD, F_SETFL, F_SETLK, F_SETLKW,
 };
 const FCNTL_COMMANDS: &[(&str, u64)] = named![
     F_DUPFD,
@@ -229,7 +229,6 @@ const FCNTL_COMMANDS: &[(&str, u64)] = named![
     F_OFD_GETLK,
     F_OFD_SETLK,
     F_OFD_SETLKW,
-    F_SETPIPE_SZ,
 ];
 
 use libc::{
