@@ -4,7 +4,7 @@ QEMU 7.2 multifd in the same run (docs/migration.md, "Where the time goes").
 
     sudo bench/migab.py [--runs N] [--gib 1] [--mib 896] [--variants a,b,qemu]
                         [--bin VARIANT=PATH]... [--env VARIANT:NAME=VALUE]...
-                        [--connections N]
+                        [--connections N] [--conn VARIANT=N]
 
 Each variant other than `qemu` is a ferrovm build (--bin; default target/release/ferrovm)
 with environment variables of its own on both sides (--env), e.g. two builds:
@@ -133,6 +133,8 @@ def main():
     ap.add_argument("--env", action="append", default=[],
                     help="VARIANT:NAME=VALUE, set on both sides of the variant's runs")
     ap.add_argument("--connections", type=int, default=0)
+    ap.add_argument("--conn", action="append", default=[],
+                    help="VARIANT=N: --connections N for that variant's migrations")
     ap.add_argument("--bin", action="append", default=[],
                     help="VARIANT=PATH: the ferrovm binary of a variant (A/B of two builds)")
     args = ap.parse_args()
@@ -142,6 +144,7 @@ def main():
         v, kv = e.split(":", 1)
         envs.setdefault(v, {}).update([kv.split("=", 1)])
     binaries = dict(e.split("=", 1) for e in args.bin)
+    conns = {v: int(n) for v, n in (e.split("=", 1) for e in args.conn)}
     results = {}
     for r in range(args.runs):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
@@ -153,7 +156,8 @@ def main():
                 if v == "qemu":
                     m = run_qemu(args.gib, args.mib)
                 else:
-                    m = run_ferrovm(args.gib, args.mib, envs.get(v, {}), args.connections,
+                    m = run_ferrovm(args.gib, args.mib, envs.get(v, {}),
+                                    conns.get(v, args.connections),
                                     binaries.get(v, bench.FERROVM))
             m.update(variant=v, run=r, load=round(load, 2),
                      utc=time.strftime("%H:%M:%S", time.gmtime()))
