@@ -18,7 +18,8 @@ use crate::error::{Error, Result};
 use crate::pages::{apply_compressed, apply_pages_shared, compressed_frame_len, PageApplier};
 use crate::ram::RamRange;
 use crate::stream::{
-    pages_frame_len, Frame, StreamReader, SAME_PAGE_FRAME_LEN, ZERO_PAGES_FRAME_LEN,
+    pages_frame_len, Frame, StreamReader, CONNECTION_READ_AHEAD, SAME_PAGE_FRAME_LEN,
+    ZERO_PAGES_FRAME_LEN,
 };
 
 /// Starts a thread for a lane (the VMM passes its sandboxed spawner, `Role::Migration`).
@@ -143,7 +144,7 @@ impl Lanes {
         let input = stream
             .try_clone()
             .map_err(|e| Error::io("setting up a data connection", e))?;
-        let mut reader = StreamReader::new(BufReader::with_capacity(256 << 10, input));
+        let mut reader = StreamReader::new(BufReader::with_capacity(CONNECTION_READ_AHEAD, input));
         // The header and Join were read on another reader: this one starts at a frame.
         reader.assume_header_read();
         reader.set_ram_ranges(ranges.to_vec());

@@ -15,8 +15,8 @@ use crate::postcopy::{accept_link, PostcopyIncoming, Switch};
 use crate::ram::{GuestRam, Layout};
 use crate::stages::DestinationStages;
 use crate::stream::{
-    pages_frame_len, send_reply, Frame, StreamReader, MAX_STATE_TOTAL, SAME_PAGE_FRAME_LEN,
-    ZERO_PAGES_FRAME_LEN,
+    pages_frame_len, send_reply, Frame, StreamReader, CONNECTION_READ_AHEAD, MAX_STATE_TOTAL,
+    SAME_PAGE_FRAME_LEN, ZERO_PAGES_FRAME_LEN,
 };
 
 fn ms<S: Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -214,7 +214,7 @@ where
             "the destination's configuration does not describe its own guest RAM".into(),
         ));
     }
-    let mut reader = StreamReader::new(BufReader::with_capacity(256 << 10, input));
+    let mut reader = StreamReader::new(BufReader::with_capacity(CONNECTION_READ_AHEAD, input));
     reader.read_header()?;
     let config = match reader.next_frame()? {
         Frame::Config(c) => c,

@@ -634,6 +634,12 @@ pub fn pages_frame_len(count: u64) -> u64 {
 pub const ZERO_PAGES_FRAME_LEN: u64 =
     (FRAME_HEADER_LEN + PAGES_FIXED_LEN + FRAME_TRAILER_LEN) as u64;
 
+/// Read-ahead buffer of a migration connection's reader. Frame headers are read through it;
+/// page data larger than it goes from the socket straight into guest memory, and only what
+/// was read ahead together with a header is copied out of it (a few KiB per 1 MiB frame; a
+/// 256 KiB buffer copied a quarter of all page data once more).
+pub(crate) const CONNECTION_READ_AHEAD: usize = 16 << 10;
+
 /// Writes a stream (or reply channel) over any [`Write`]. Frames are gathered and written
 /// with `write_vectored`; call [`StreamWriter::flush`] to push them out.
 pub struct StreamWriter<W: Write> {

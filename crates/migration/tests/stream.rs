@@ -733,3 +733,77 @@ fn bad_same_page_markers_are_refused() {
     let e = restore_from(&ram(), &s[..], &cfg).unwrap_err().to_string();
     assert!(e.contains("has not sent with data"), "{e}");
 }
+
+/// Counts the bytes the receiver reads straight into guest memory (`guest`: host address
+/// ranges of the destination's RAM) and into anything else (its read-ahead buffer).
+struct ReadTargets<'a> {
+    inner: &'a [u8],
+    guest: Vec<std::ops::Range<usize>>,
+    through_buffer: usize,
+    direct: usize,
+}
+
+impl std::io::Read for ReadTargets<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let at = buf.as_ptr() as usize;
+        if self.guest.iter().any(|r| r.contains(&at)) {
+            self.direct += n;
+        } else {
+            self.through_buffer += n;
+        }
+        Ok(n)
+    }
+}
+
+/// Page data goes from the connection straight into guest memory: only what the receiver's
+/// small read-ahead buffer took in with a frame header is copied out of a buffer.
+#[test]
+fn page_data_is_read_straight_into_guest_memory() {
+    let src = ram();
+    let data: Vec<u8> = (0..R0 as usize).map(|i| (i / 4096 + i) as u8).collect();
+    src.write_slice(&data, GuestAddress(0)).unwrap();
+    let cfg = config_of(&src);
+    let mut buf = Vec::new();
+    let mut w = StreamWriter::new(&mut buf);
+    header_and_config(&mut w, &cfg);
+    let bytes = w.write_pages(0, &data, false).unwrap();
+    w.write_frame(&Frame::RoundEnd(RoundEndInfo {
+        round: 0,
+        final_round: true,
+        pages: R0 / 4096,
+        zero_pages: 0,
+        bytes,
+        dirty_pages_found: 0,
+        duration_us: 1,
+    }))
+    .unwrap();
+    w.write_frame(&Frame::State(b"state".to_vec())).unwrap();
+    w.write_frame(&Frame::End(EndInfo {
+        rounds: 1,
+        total_pages: R0 / 4096,
+        total_zero_pages: 0,
+    }))
+    .unwrap();
+    w.flush().unwrap();
+    let dst = ram();
+    let mut input = ReadTargets {
+        inner: &buf[..],
+        guest: GuestRam::regions(&dst)
+            .iter()
+            .map(|r| r.host_ptr as usize..r.host_ptr as usize + r.size as usize)
+            .collect(),
+        through_buffer: 0,
+        direct: 0,
+    };
+    let got = receive(&dst, &mut input, Vec::new(), &cfg).unwrap();
+    assert_eq!(got.state, b"state");
+    assert_eq!(diff(&src, &dst), Vec::<u64>::new());
+    assert_eq!(input.through_buffer + input.direct, buf.len());
+    assert!(
+        input.through_buffer <= 32 << 10 && input.direct >= data.len() - (16 << 10),
+        "{} bytes through the read-ahead buffer, {} straight into guest memory",
+        input.through_buffer,
+        input.direct
+    );
+}

@@ -910,14 +910,10 @@ fn receive_from(
         spawn: &spawn,
         timeout: PEER_TIMEOUT,
     };
-    let result = migration::receive_parallel(
-        memory,
-        BufReader::with_capacity(1 << 20, stream),
-        reply,
-        expected,
-        Some(&parallel),
-    )
-    .map_err(|e| Error::Migration(e.to_string()))?;
+    // Not buffered here: the receiver reads through a small buffer of its own, and page data
+    // goes from the socket straight into guest memory (a buffer in front would copy it).
+    let result = migration::receive_parallel(memory, stream, reply, expected, Some(&parallel))
+        .map_err(|e| Error::Migration(e.to_string()))?;
     Ok(Incoming {
         state: MachineState::from_bytes(&result.state)?,
         ack: result.ack,
