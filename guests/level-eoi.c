@@ -39,6 +39,7 @@ static volatile u32 phase, n_want;
 static volatile u32 deliveries, rirr_set, tmr_set, isr_set, irr_pending, irqf_clear;
 static volatile u32 handlers_total;
 static volatile u32 done;
+static volatile u32 wakeups, waits;	/* the target CPU's progress, for a timeout report */
 
 struct result {
 	u32 deliveries, rirr_set, irqf_clear, rirr_left;
@@ -94,6 +95,7 @@ static void handler(struct frame *f)
 static void wake_handler(struct frame *f)
 {
 	(void)f;
+	wakeups++;
 	lapic_eoi();
 }
 
@@ -102,6 +104,7 @@ static void wait_us(u64 us, u32 until)
 {
 	u64 end = rdtsc() + us * (tsc_hz() / 1000000);
 	while ((s64)(rdtsc() - end) < 0 && deliveries < until) {
+		waits++;
 		lapic_timer_oneshot(V_WAKE, 1000000, LAPIC_DIV_1);	/* 1 ms at KVM's 1 GHz */
 		__asm__ volatile("sti; hlt; cli" ::: "memory");
 	}
@@ -215,7 +218,9 @@ void guest_main(void)
 		}
 		lapic_timer_stop();
 		if (!done)
-			fail("cpu %u did not finish the phases", target);
+			fail("cpu %u did not finish the phases: phase %u, %u deliveries, %u waits, "
+			     "%u wake-ups, %u handlers", target, phase, deliveries, waits, wakeups,
+			     handlers_total);
 	}
 
 	u32 n = n_want;

@@ -86,8 +86,7 @@ const char *cmdline_arg(const char *key, size_t *len);
 #define FW_CFG_NB_CPUS		0x05
 #define FW_CFG_MAX_CPUS		0x0f
 bool fw_cfg_present(void);		/* signature "QEMU" */
-void fw_cfg_select(u16 key);
-void fw_cfg_read(void *buf, size_t len);
+void fw_cfg_get(u16 key, void *buf, size_t len);	/* select and read, atomically */
 unsigned cpu_count(void);		/* FW_CFG_NB_CPUS, 1 without fw_cfg */
 
 /* ---- traps ---- */
