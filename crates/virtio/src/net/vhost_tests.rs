@@ -37,8 +37,8 @@ enum Call {
 struct Record {
     calls: Vec<Call>,
     /// The eventfds last given as kick and call, per (instance, ring).
-    kicks: HashMap<(usize, usize), EventFd>,
-    callfds: HashMap<(usize, usize), EventFd>,
+    kicks: RingFds,
+    callfds: RingFds,
     /// What GET_VRING_BASE answers, per (instance, ring).
     bases: HashMap<(usize, usize), u32>,
 }
@@ -50,9 +50,17 @@ struct Fake {
     record: Arc<Mutex<Record>>,
 }
 
+type RingFds = HashMap<(usize, usize), EventFd>;
+
 impl Fake {
     fn log(&self, call: Call) {
         self.record.lock().unwrap().calls.push(call);
+    }
+
+    /// Keeps a copy of the eventfd given for `ring` in the record's table `table`.
+    fn keep(&self, ring: usize, fd: &EventFd, table: fn(&mut Record) -> &mut RingFds) {
+        let copy = fd.try_clone().unwrap();
+        table(&mut self.record.lock().unwrap()).insert((self.id, ring), copy);
     }
 }
 
@@ -121,22 +129,12 @@ impl VhostBackend for Fake {
     }
     fn set_vring_call(&self, ring: usize, fd: &EventFd) -> vhost::Result<()> {
         self.log(Call::Irqfd(self.id, ring));
-        let copy = fd.try_clone().unwrap();
-        self.record
-            .lock()
-            .unwrap()
-            .callfds
-            .insert((self.id, ring), copy);
+        self.keep(ring, fd, |r| &mut r.callfds);
         Ok(())
     }
     fn set_vring_kick(&self, ring: usize, fd: &EventFd) -> vhost::Result<()> {
         self.log(Call::Kick(self.id, ring));
-        let copy = fd.try_clone().unwrap();
-        self.record
-            .lock()
-            .unwrap()
-            .kicks
-            .insert((self.id, ring), copy);
+        self.keep(ring, fd, |r| &mut r.kicks);
         Ok(())
     }
     fn set_vring_err(&self, _: usize, _: &EventFd) -> vhost::Result<()> {
