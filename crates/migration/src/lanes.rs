@@ -7,7 +7,7 @@
 //! been matched against every lane's, so a page sent in round n + 1 on one lane can never be
 //! overwritten by its round n copy still travelling on another.
 
-use std::io::BufReader;
+use std::io::{BufReader, Read};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -269,30 +269,11 @@ fn run_lane(
     loop {
         let at = reader.offset();
         match reader.next_frame()? {
-            Frame::Pages(h) => {
-                apply_pages_shared(applier, &mut reader, &h)?;
-                round.pages += u64::from(h.count);
-                round.bytes += pages_frame_len(u64::from(h.count));
-            }
-            Frame::CompressedPages(c) => {
-                apply_compressed(applier, &c, at)?;
-                round.pages += c.crcs.len() as u64;
-                round.bytes += compressed_frame_len(&c);
-            }
-            Frame::SamePage {
-                addr,
-                from,
-                crc,
-                live,
-            } => {
-                lock(applier)?.apply_same(addr, from, crc, live, at)?;
-                round.pages += 1;
-                round.bytes += SAME_PAGE_FRAME_LEN;
-            }
-            Frame::ZeroPages { addr, count } => {
-                lock(applier)?.apply_zero(addr, count)?;
-                round.zero_pages += u64::from(count);
-                round.bytes += ZERO_PAGES_FRAME_LEN;
+            page @ (Frame::Pages(_)
+            | Frame::CompressedPages(_)
+            | Frame::SamePage { .. }
+            | Frame::ZeroPages { .. }) => {
+                apply_page_frame(applier, &mut reader, page, at, &mut round)?;
             }
             Frame::RoundEnd(info) => {
                 let got = (info.pages, info.zero_pages, info.bytes);
@@ -335,6 +316,51 @@ fn run_lane(
             }
         }
     }
+}
+
+/// Applies one frame that carries pages (data, compressed, a repeat or zeroes) and counts it
+/// into `round`: the control connection and the data connections take them alike.
+pub(crate) fn apply_page_frame<R: Read>(
+    applier: &Mutex<PageApplier>,
+    reader: &mut StreamReader<R>,
+    frame: Frame,
+    at: u64,
+    round: &mut LaneRound,
+) -> Result<()> {
+    match frame {
+        Frame::Pages(h) => {
+            apply_pages_shared(applier, reader, &h)?;
+            round.pages += u64::from(h.count);
+            round.bytes += pages_frame_len(u64::from(h.count));
+        }
+        Frame::CompressedPages(c) => {
+            apply_compressed(applier, &c, at)?;
+            round.pages += c.crcs.len() as u64;
+            round.bytes += compressed_frame_len(&c);
+        }
+        Frame::SamePage {
+            addr,
+            from,
+            crc,
+            live,
+        } => {
+            lock(applier)?.apply_same(addr, from, crc, live, at)?;
+            round.pages += 1;
+            round.bytes += SAME_PAGE_FRAME_LEN;
+        }
+        Frame::ZeroPages { addr, count } => {
+            lock(applier)?.apply_zero(addr, count)?;
+            round.zero_pages += u64::from(count);
+            round.bytes += ZERO_PAGES_FRAME_LEN;
+        }
+        other => {
+            return Err(Error::Protocol {
+                offset: at,
+                reason: format!("{other:?} carries no pages"),
+            })
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn lock(applier: &Mutex<PageApplier>) -> Result<std::sync::MutexGuard<'_, PageApplier>> {

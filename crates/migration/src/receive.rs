@@ -9,15 +9,12 @@ use serde::{Serialize, Serializer};
 
 use crate::config::{ConfigCheck, MigrationConfig};
 use crate::error::{Error, Result};
-use crate::lanes::{lock, Lanes, ParallelReceive};
-use crate::pages::{apply_compressed, apply_pages_shared, compressed_frame_len, PageApplier};
+use crate::lanes::{apply_page_frame, lock, LaneRound, Lanes, ParallelReceive};
+use crate::pages::PageApplier;
 use crate::postcopy::{accept_link, PostcopyIncoming, Switch};
 use crate::ram::{GuestRam, Layout};
 use crate::stages::DestinationStages;
-use crate::stream::{
-    pages_frame_len, send_reply, Frame, StreamReader, CONNECTION_READ_AHEAD, MAX_STATE_TOTAL,
-    SAME_PAGE_FRAME_LEN, ZERO_PAGES_FRAME_LEN,
-};
+use crate::stream::{send_reply, Frame, StreamReader, CONNECTION_READ_AHEAD, MAX_STATE_TOTAL};
 
 fn ms<S: Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64() * 1000.0)
@@ -246,7 +243,7 @@ where
     }
 
     let mut rounds: Vec<IncomingRound> = Vec::new();
-    let (mut pages, mut zero_pages, mut bytes) = (0u64, 0u64, 0u64);
+    let mut counted = LaneRound::default();
     let (mut total_pages, mut total_zero) = (0u64, 0u64);
     let mut round_start = Instant::now();
     let mut last_live_end = round_start;
@@ -258,42 +255,14 @@ where
         let at = reader.offset();
         let protocol = |reason: String| Error::Protocol { offset: at, reason };
         match reader.next_frame()? {
-            Frame::Pages(h) => {
+            page @ (Frame::Pages(_)
+            | Frame::CompressedPages(_)
+            | Frame::SamePage { .. }
+            | Frame::ZeroPages { .. }) => {
                 if seen_final {
                     return Err(protocol("pages after the final round".into()));
                 }
-                apply_pages_shared(&applier, &mut reader, &h)?;
-                pages += u64::from(h.count);
-                bytes += pages_frame_len(u64::from(h.count));
-            }
-            Frame::CompressedPages(c) => {
-                if seen_final {
-                    return Err(protocol("pages after the final round".into()));
-                }
-                apply_compressed(&applier, &c, at)?;
-                pages += c.crcs.len() as u64;
-                bytes += compressed_frame_len(&c);
-            }
-            Frame::SamePage {
-                addr,
-                from,
-                crc,
-                live,
-            } => {
-                if seen_final {
-                    return Err(protocol("pages after the final round".into()));
-                }
-                lock(&applier)?.apply_same(addr, from, crc, live, at)?;
-                pages += 1;
-                bytes += SAME_PAGE_FRAME_LEN;
-            }
-            Frame::ZeroPages { addr, count } => {
-                if seen_final {
-                    return Err(protocol("pages after the final round".into()));
-                }
-                lock(&applier)?.apply_zero(addr, count)?;
-                zero_pages += u64::from(count);
-                bytes += ZERO_PAGES_FRAME_LEN;
+                apply_page_frame(&applier, &mut reader, page, at, &mut counted)?;
             }
             Frame::RoundEnd(info) => {
                 if seen_final {
@@ -308,10 +277,15 @@ where
                 }
                 if let Some(l) = lanes.as_mut() {
                     let sum = l.round_end(index, info.final_round)?;
-                    pages += sum.pages;
-                    zero_pages += sum.zero_pages;
-                    bytes += sum.bytes;
+                    counted.pages += sum.pages;
+                    counted.zero_pages += sum.zero_pages;
+                    counted.bytes += sum.bytes;
                 }
+                let LaneRound {
+                    pages,
+                    zero_pages,
+                    bytes,
+                } = counted;
                 if (info.pages, info.zero_pages, info.bytes) != (pages, zero_pages, bytes) {
                     return Err(protocol(format!(
                         "round {index} announces {} pages, {} zero pages, {} bytes; {pages}, {zero_pages}, {bytes} arrived",
@@ -342,7 +316,7 @@ where
                 }
                 total_pages += pages;
                 total_zero += zero_pages;
-                (pages, zero_pages, bytes) = (0, 0, 0);
+                counted = LaneRound::default();
             }
             Frame::State(piece) => {
                 if !seen_final {
@@ -425,7 +399,7 @@ where
                         "a switch to post-copy after the final round".into(),
                     ));
                 }
-                if pages != 0 || zero_pages != 0 {
+                if counted.pages != 0 || counted.zero_pages != 0 {
                     return Err(protocol("a switch to post-copy inside a round".into()));
                 }
                 let counts: Vec<u64> = reader_ranges
@@ -439,7 +413,7 @@ where
                 }
             }
             Frame::Connections { count, token } => {
-                let first = rounds.is_empty() && pages == 0 && zero_pages == 0;
+                let first = rounds.is_empty() && counted.pages == 0 && counted.zero_pages == 0;
                 let par = match parallel {
                     Some(p) if first && lanes.is_none() => p,
                     Some(_) => {
