@@ -84,21 +84,7 @@ impl Peer {
             .join(format!("net-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
-        ip(&["netns", "add", &ns]);
-        ip(&["-n", &ns, "link", "set", "lo", "up"]);
-        let mut tuntap = vec![
-            "-n", &ns, "tuntap", "add", "dev", TAP, "mode", "tap", "vnet_hdr",
-        ];
-        if multi_queue {
-            tuntap.push("multi_queue");
-        }
-        ip(&tuntap);
-        if let Some(mac) = mac {
-            ip(&["-n", &ns, "link", "set", TAP, "address", mac]);
-        }
-        ip(&["-n", &ns, "addr", "add", "10.0.2.2/24", "dev", TAP]);
-        ip(&["-n", &ns, "link", "set", TAP, "up"]);
+        tap_namespace(&ns, TAP, multi_queue, mac);
         let script = dir.join("peer.py");
         std::fs::write(&script, PEER).unwrap();
         let log = std::fs::File::create(dir.join("peer.log")).unwrap();

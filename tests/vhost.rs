@@ -38,14 +38,7 @@ impl Namespace {
     fn new(test: &str) -> Namespace {
         require_kvm();
         let name = format!("fvhost-{}-{test}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        ip(&["netns", "add", &name]);
-        ip(&["-n", &name, "link", "set", "lo", "up"]);
-        ip(&[
-            "-n", &name, "tuntap", "add", "dev", TAP, "mode", "tap", "vnet_hdr",
-        ]);
-        ip(&["-n", &name, "addr", "add", "10.0.2.2/24", "dev", TAP]);
-        ip(&["-n", &name, "link", "set", TAP, "up"]);
+        tap_namespace(&name, TAP, false, None);
         Namespace { name, echo: None }
     }
 

@@ -180,6 +180,26 @@ pub fn run_guest(name: &str, extra: &[&str]) -> Run {
     ferrovm(&args, Duration::from_secs(120))
 }
 
+/// Makes the network namespace `ns` afresh (its loopback up) holding the tap `tap` with a
+/// virtio-net header (and `multi_queue`, or the MAC `mac`, when asked), up at 10.0.2.2/24.
+pub fn tap_namespace(ns: &str, tap: &str, multi_queue: bool, mac: Option<&str>) {
+    let _ = Command::new("ip").args(["netns", "del", ns]).output();
+    ip(&["netns", "add", ns]);
+    ip(&["-n", ns, "link", "set", "lo", "up"]);
+    let mut tuntap = vec![
+        "-n", ns, "tuntap", "add", "dev", tap, "mode", "tap", "vnet_hdr",
+    ];
+    if multi_queue {
+        tuntap.push("multi_queue");
+    }
+    ip(&tuntap);
+    if let Some(mac) = mac {
+        ip(&["-n", ns, "link", "set", tap, "address", mac]);
+    }
+    ip(&["-n", ns, "addr", "add", "10.0.2.2/24", "dev", tap]);
+    ip(&["-n", ns, "link", "set", tap, "up"]);
+}
+
 /// Runs `ip` with `args` (network namespaces, taps, addresses); panics with its stderr if it
 /// fails.
 pub fn ip(args: &[&str]) {
