@@ -306,19 +306,57 @@ def stop(p):
             p.wait()
 
 
-def end_qemu_pair(s, d, src, dst, work):
-    """Quits a migration's two QEMUs (their QMP connections `s` and `d`, either None if it
-    never came up), stops the processes and removes their work directory."""
-    for q in (s, d):
-        if q:
-            try:
-                q.cmd("quit")
-            except (QmpError, OSError):
-                pass
-            q.close()
-    stop(src)
-    stop(dst)
-    shutil.rmtree(work, ignore_errors=True)
+class QemuPair:
+    """A migration's two QEMUs: the source booting `guest_name` with `cmdline`, the
+    destination listening on `addr`:`port` (with `defer`, waiting for migrate-incoming), on
+    loopback or across the 1 Gbit/s namespaces."""
+
+    def __init__(self, link, gib, guest_name, cmdline, defer=False):
+        self.work = tempfile.mkdtemp(prefix="fvbench-qmig")
+        src_ns, dst_ns, self.addr = [], [], "127.0.0.1"
+        if link == "1gbit":
+            src_ns, dst_ns, self.addr = (["ip", "netns", "exec", NS_SRC],
+                                         ["ip", "netns", "exec", NS_DST], NS_ADDR)
+        self.port = 8600 + random.randrange(1000)
+        base = QEMU_BASE + ["-M", "microvm", "-m", f"{gib}G"]
+        incoming = "defer" if defer else f"tcp:{self.addr}:{self.port}"
+        self.s = self.d = None
+        self.dst = subprocess.Popen(dst_ns + base + [
+            "-serial", f"file:{self.work}/dst.ser",
+            "-qmp", f"unix:{self.work}/dst.qmp,server=on,wait=off", "-incoming", incoming],
+            stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
+        self.src = subprocess.Popen(src_ns + base + [
+            "-serial", f"file:{self.work}/src.ser",
+            "-qmp", f"unix:{self.work}/src.qmp,server=on,wait=off",
+            "-kernel", guest(guest_name), "-append", cmdline],
+            stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
+
+    def connect(self, started):
+        """Waits for the source's serial output to match `started`, then opens both QMP
+        sockets (`s`, `d`) and lets the source send as fast as the link (QEMU 7.2 caps at
+        128 MiB/s by default; ferrovm has no cap) with ferrovm's default downtime target.
+        False if the guest did not start."""
+        if not wait_for(f"{self.work}/src.ser", started, 180, self.src):
+            return False
+        self.s, self.d = Qmp(f"{self.work}/src.qmp"), Qmp(f"{self.work}/dst.qmp")
+        self.s.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 50})
+        return True
+
+    def uri(self):
+        return f"tcp:{self.addr}:{self.port}"
+
+    def end(self):
+        """Quits both QEMUs, stops the processes and removes their work directory."""
+        for q in (self.s, self.d):
+            if q:
+                try:
+                    q.cmd("quit")
+                except (QmpError, OSError):
+                    pass
+                q.close()
+        stop(self.src)
+        stop(self.dst)
+        shutil.rmtree(self.work, ignore_errors=True)
 
 
 def qemu_migration_outcome(s, max_time_s, poll_s=0.05):
@@ -342,41 +380,22 @@ def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s, mult
                  compression=None):
     """multifd=N: QEMU's multifd with N channels (set on both sides before the stream, the
     destination through -incoming defer); compression: its multifd-compression (zstd)."""
-    work = tempfile.mkdtemp(prefix="fvbench-qmig")
-    src_ns, dst_ns, addr = [], [], "127.0.0.1"
-    if link == "1gbit":
-        src_ns, dst_ns, addr = (["ip", "netns", "exec", NS_SRC], ["ip", "netns", "exec", NS_DST],
-                                NS_ADDR)
-    port = 8600 + random.randrange(1000)
-    base = QEMU_BASE + ["-M", "microvm", "-m", f"{gib}G"]
-    incoming = "defer" if multifd else f"tcp:{addr}:{port}"
-    dst = subprocess.Popen(dst_ns + base + ["-serial", f"file:{work}/dst.ser",
-                                            "-qmp", f"unix:{work}/dst.qmp,server=on,wait=off",
-                                            "-incoming", incoming],
-                           stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
-    src = subprocess.Popen(src_ns + base + ["-serial", f"file:{work}/src.ser",
-                                            "-qmp", f"unix:{work}/src.qmp,server=on,wait=off",
-                                            "-kernel", guest(guest_name), "-append", cmdline],
-                           stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
-    s = d = None
+    pair = QemuPair(link, gib, guest_name, cmdline, defer=bool(multifd))
     try:
-        if not wait_for(f"{work}/src.ser", r"tick 1 ok|: pass [1-9]", 180, src):
+        if not pair.connect(r"tick 1 ok|: pass [1-9]"):
             return {"ok": False, "error": "guest did not start"}
-        s, d = Qmp(f"{work}/src.qmp"), Qmp(f"{work}/dst.qmp")
-        # As fast as the link (QEMU 7.2 caps at 128 MiB/s by default; ferrovm has no cap),
-        # and ferrovm's default downtime target.
-        s.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 50})
+        s, d = pair.s, pair.d
         if multifd:
             extra = {"multifd-compression": compression} if compression else {}
             for q in (d, s):
                 q.cmd("migrate-set-capabilities",
                       capabilities=[{"capability": "multifd", "state": True}])
                 q.cmd("migrate-set-parameters", **{"multifd-channels": multifd}, **extra)
-            d.cmd("migrate-incoming", uri=f"tcp:{addr}:{port}")
+            d.cmd("migrate-incoming", uri=pair.uri())
         if auto_converge:
             s.cmd("migrate-set-capabilities",
                   capabilities=[{"capability": "auto-converge", "state": True}])
-        s.cmd("migrate", uri=f"tcp:{addr}:{port}")
+        s.cmd("migrate", uri=pair.uri())
         info, failure = qemu_migration_outcome(s, max_time_s)
         if failure:
             return failure
@@ -391,7 +410,7 @@ def qemu_migrate(link, guest_name, cmdline, gib, auto_converge, max_time_s, mult
     except (QmpError, OSError) as e:
         return {"ok": False, "error": str(e)}
     finally:
-        end_qemu_pair(s, d, src, dst, work)
+        pair.end()
 
 
 def bench_migration(cfg):

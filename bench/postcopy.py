@@ -19,15 +19,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-from bench import (NS_ADDR, NS_DST, NS_SRC, QEMU_BASE, ROOT, guest, log, prime,  # noqa: E402
-                   stop, wait_for)
-from qmp import Qmp, QmpError  # noqa: E402
+from bench import ROOT, log, prime  # noqa: E402
+from qmp import QmpError  # noqa: E402
 
 CMDLINE = "mib=1024"
 MEMORY_GIB = 2
@@ -56,36 +54,17 @@ def ferrovm_case(link, opts):
 def qemu_case(link, postcopy):
     """QEMU 7.2: pre-copy with auto-converge, or post-copy (postcopy-ram, switched with
     migrate-start-postcopy once the first pass is under way)."""
-    work = tempfile.mkdtemp(prefix="fvbench-qpc")
-    src_ns, dst_ns, addr = [], [], "127.0.0.1"
-    if link == "1gbit":
-        src_ns, dst_ns, addr = (["ip", "netns", "exec", NS_SRC],
-                                ["ip", "netns", "exec", NS_DST], NS_ADDR)
-    port = 9600 + int.from_bytes(os.urandom(2), "little") % 1000
-    base = QEMU_BASE + ["-M", "microvm", "-m", f"{MEMORY_GIB}G"]
-    dst = subprocess.Popen(dst_ns + base + ["-serial", f"file:{work}/dst.ser",
-                                            "-qmp", f"unix:{work}/dst.qmp,server=on,wait=off",
-                                            "-incoming", f"tcp:{addr}:{port}"],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-    src = subprocess.Popen(src_ns + base + ["-serial", f"file:{work}/src.ser",
-                                            "-qmp", f"unix:{work}/src.qmp,server=on,wait=off",
-                                            "-kernel", guest("migrate-dirty"), "-append",
-                                            CMDLINE],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-    s = d = None
+    pair = bench.QemuPair(link, MEMORY_GIB, "migrate-dirty", CMDLINE)
     try:
-        if not wait_for(f"{work}/src.ser", r": pass [1-9]", 180, src):
+        if not pair.connect(r": pass [1-9]"):
             return {"ok": False, "error": "guest did not start"}
-        s, d = Qmp(f"{work}/src.qmp"), Qmp(f"{work}/dst.qmp")
-        s.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 50})
+        s, d = pair.s, pair.d
         caps = [{"capability": "postcopy-ram" if postcopy else "auto-converge",
                  "state": True}]
         if postcopy:
             d.cmd("migrate-set-capabilities", capabilities=caps)
         s.cmd("migrate-set-capabilities", capabilities=caps)
-        s.cmd("migrate", uri=f"tcp:{addr}:{port}")
+        s.cmd("migrate", uri=pair.uri())
         if postcopy:
             time.sleep(0.05)
             s.cmd("migrate-start-postcopy")
@@ -106,7 +85,7 @@ def qemu_case(link, postcopy):
     except (QmpError, OSError) as e:
         return {"ok": False, "error": str(e)}
     finally:
-        bench.end_qemu_pair(s, d, src, dst, work)
+        pair.end()
 
 
 MODES = {
