@@ -958,22 +958,22 @@ def net_rows(res, s_net, rows):
         rows.append(f"| virtio-net UDP echo round trip (64 bytes, 1 in flight) | {1e6 / lat['ferrovm']:.0f} µs "
                     f"({lat['qemu'] / lat['ferrovm']:.2f}× QEMU) | {1e6 / lat['qemu']:.0f} µs | "
                     f"veth {1e6 / lat['veth']:.0f} µs | within 10% of QEMU's |")
+    def joined(names, k):
+        return " / ".join(f"{s_net[n][k]:.0f}" for n in names)
+
+    def ratios(names):
+        return " / ".join(f"{s_net[n]['ferrovm'] / s_net[n]['qemu']:.2f}×" for n in names)
     names = [n for n in ("throughput", "throughput-2q", "guest-to-host", "host-to-guest", "host-to-guest-8k")
              if n in s_net]
     if names:
-        def col(k):
-            return " / ".join(f"{s_net[n][k]:.0f}" for n in names)
-        ratios = " / ".join(f"{s_net[n]['ferrovm'] / s_net[n]['qemu']:.2f}×" for n in names)
-        rows.append(f"| virtio-net datagrams per s: {', '.join(names)} | {col('ferrovm')} ({ratios} QEMU) | "
-                    f"{col('qemu')} | veth {col('veth')} | at least QEMU's |")
+        rows.append(f"| virtio-net datagrams per s: {', '.join(names)} | {joined(names, 'ferrovm')} "
+                    f"({ratios(names)} QEMU) | {joined(names, 'qemu')} | veth {joined(names, 'veth')} | "
+                    "at least QEMU's |")
     tcp = [n for n in ("tcp-guest-to-host", "tcp-host-to-guest") if n in s_net]
     if tcp:
-        def mbit(k):
-            return " / ".join(f"{s_net[n][k]:.0f}" for n in tcp)
-        ratios = " / ".join(f"{s_net[n]['ferrovm'] / s_net[n]['qemu']:.2f}×" for n in tcp)
-        rows.append(f"| virtio-net TCP Mbit/s, 64 KiB TSO: guest to host / host to guest | {mbit('ferrovm')} "
-                    f"({ratios} QEMU) | {mbit('qemu')} | veth {mbit('veth')} | at least QEMU's |")
-
+        rows.append(f"| virtio-net TCP Mbit/s, 64 KiB TSO: guest to host / host to guest | "
+                    f"{joined(tcp, 'ferrovm')} ({ratios(tcp)} QEMU) | {joined(tcp, 'qemu')} | "
+                    f"veth {joined(tcp, 'veth')} | at least QEMU's |")
 
 
 def firmware_section(res, docs, out):
