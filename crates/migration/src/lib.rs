@@ -44,9 +44,8 @@ pub use postcopy::{
     MAX_REQUEST_PAGES,
 };
 pub use precopy::{
-    migrate, migrate_parallel, migrate_threaded, snapshot, DirtySource, MigrationParams,
-    MigrationReport, Phase, Progress, RoundStats, SnapshotReport, StopReason, VmControl,
-    THROTTLE_STEPS,
+    migrate, migrate_threaded, snapshot, DirtySource, MigrationParams, MigrationReport, Phase,
+    Progress, RoundStats, SnapshotReport, StopReason, VmControl, THROTTLE_STEPS,
 };
 pub use ram::{FileBackedRam, GuestRam, HostMappedRegion, RamRange, RamRegion, PAGE_SIZE};
 pub use receive::{

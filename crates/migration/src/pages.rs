@@ -82,70 +82,37 @@ impl Sent {
 
 /// Sends every page set in `set` as `Pages` / `ZeroPages` frames, page data by reference to
 /// the guest mapping. `live`: the guest runs (frames are flagged so torn pages are
-/// tolerated). `tick` is called now and then with the number of pages done so far. All
-/// queued data is flushed before returning, so no reference into guest memory outlives the
-/// call.
+/// tolerated). With `compressor`, page data is compressed whenever it chooses a codec, and
+/// repeated pages go as markers. `tick` is called now and then with the number of pages
+/// done so far. All queued data is flushed before returning, so no reference into guest
+/// memory outlives the call.
 pub(crate) fn send_pages<W: Write>(
     w: &mut StreamWriter<W>,
     layout: &Layout,
     set: &Bitmap,
     live: bool,
-    tick: &mut dyn FnMut(u64, &Sent),
-) -> Result<Sent> {
-    let mut ws = [w];
-    let sent = send_pages_striped(&mut ws, layout, set, live, None, tick)?;
-    Ok(sent[0])
-}
-
-/// Pages per frame when pages are striped over several connections: small enough that
-/// every connection gets data often, large enough to keep the framing overhead at 0.4 %.
-const STRIPE_PAGES: u32 = 256;
-/// Bytes queued on one connection before it is written and the next connection's turn comes.
-const STRIPE_BYTES: usize = 1 << 20;
-
-/// [`send_pages`] over several connections: each `Pages` frame goes to the next connection
-/// in turn (a `ZeroPages` frame to the current one). Returns what went on each.
-/// With `compressor`, page data is compressed whenever it chooses a codec.
-pub(crate) fn send_pages_striped<W: Write>(
-    ws: &mut [&mut StreamWriter<W>],
-    layout: &Layout,
-    set: &Bitmap,
-    live: bool,
     compressor: Option<&mut Compressor>,
     tick: &mut dyn FnMut(u64, &Sent),
-) -> Result<Vec<Sent>> {
-    let mut stripe = Stripe {
+) -> Result<Sent> {
+    let mut tally = Tally {
         compressor,
-        sent: vec![Sent::default(); ws.len()],
         total: Sent::default(),
-        next: 0,
-        max_pages: if ws.len() > 1 {
-            STRIPE_PAGES
-        } else {
-            MAX_PAGES_PER_FRAME
-        },
     };
     let mut runs = set_runs(layout, set);
-    let res = send_pages_inner(ws, layout, &mut runs, live, &mut stripe, tick);
+    let res = send_pages_inner(w, layout, &mut runs, live, &mut tally, tick);
     // Whatever happened, no guest reference may stay queued past this point.
-    let mut flushed = Ok(());
-    for w in ws.iter_mut() {
-        if res.is_ok() && flushed.is_ok() {
-            flushed = w.batch.flush_to(&mut w.out);
-        }
-        w.batch.clear();
-    }
-    res.and(flushed).map(|_| stripe.sent)
+    let flushed = match res {
+        Ok(()) => w.batch.flush_to(&mut w.out),
+        Err(_) => Ok(()),
+    };
+    w.batch.clear();
+    res.and(flushed).map(|_| tally.total)
 }
 
-/// Where the frames of a round go, and what went where.
-struct Stripe<'a> {
+/// What a connection's frames of a round put on the wire, and the compressor they go through.
+struct Tally<'a> {
     compressor: Option<&'a mut Compressor>,
-    sent: Vec<Sent>,
     total: Sent,
-    /// The connection the next `Pages` frame goes to.
-    next: usize,
-    max_pages: u32,
 }
 
 struct Group {
@@ -179,17 +146,12 @@ pub(crate) fn send_runs<W: Write>(
     live: bool,
     compressor: Option<&mut Compressor>,
 ) -> Result<Sent> {
-    let mut ws = [w];
-    let mut stripe = Stripe {
+    let mut tally = Tally {
         compressor,
-        sent: vec![Sent::default()],
         total: Sent::default(),
-        next: 0,
-        max_pages: MAX_PAGES_PER_FRAME,
     };
     let mut it = runs.iter().copied();
-    let res = send_pages_inner(&mut ws, layout, &mut it, live, &mut stripe, &mut |_, _| {});
-    let [w] = ws;
+    let res = send_pages_inner(w, layout, &mut it, live, &mut tally, &mut |_, _| {});
     let (bytes_before, time_before) = (w.out.bytes, w.out.write_time);
     let flushed = if res.is_ok() {
         w.batch.flush_to(&mut w.out)
@@ -198,18 +160,18 @@ pub(crate) fn send_runs<W: Write>(
     };
     w.batch.clear();
     // The link's speed as this connection sees it, for the automatic compression choice.
-    if let Some(c) = stripe.compressor {
+    if let Some(c) = tally.compressor {
         c.link(w.out.bytes - bytes_before, w.out.write_time - time_before);
     }
-    res.and(flushed).map(|_| stripe.total)
+    res.and(flushed).map(|_| tally.total)
 }
 
 fn send_pages_inner<W: Write>(
-    ws: &mut [&mut StreamWriter<W>],
+    w: &mut StreamWriter<W>,
     layout: &Layout,
     runs: &mut dyn Iterator<Item = (usize, u64, u64)>,
     live: bool,
-    stripe: &mut Stripe<'_>,
+    tally: &mut Tally<'_>,
     tick: &mut dyn FnMut(u64, &Sent),
 ) -> Result<()> {
     let mut buf = PageBuf::new();
@@ -228,8 +190,8 @@ fn send_pages_inner<W: Write>(
         for p in start..end {
             let t = std::time::Instant::now();
             let mut crc = inspect(layout.host_page(ri, p), &mut buf);
-            let same = match (crc, stripe.compressor.as_deref_mut()) {
-                (Some(c), Some(comp)) if ws.len() == 1 => comp
+            let same = match (crc, tally.compressor.as_deref_mut()) {
+                (Some(c), Some(comp)) => comp
                     .dedup
                     .as_mut()
                     .and_then(|d| d.earlier((ri, p), c, &buf, |(r, q)| layout.host_page(r, q))),
@@ -237,13 +199,13 @@ fn send_pages_inner<W: Write>(
             };
             inspect_time += t.elapsed();
             if let (Some(from), Some(c)) = (same, crc) {
-                emit(ws, layout, &mut g, live, stripe)?;
-                send_same(ws, layout, (ri, p), from, c, live, stripe)?;
+                emit(w, layout, &mut g, live, tally)?;
+                send_same(w, layout, (ri, p), from, c, live, tally)?;
                 done += 1;
                 continue;
             }
             if crc.is_none()
-                && stripe
+                && tally
                     .compressor
                     .as_ref()
                     .is_some_and(|c| c.merges_zero_pages())
@@ -251,15 +213,16 @@ fn send_pages_inner<W: Write>(
                 crc = Some(zero_page_crc);
             }
             let zero = crc.is_none();
-            let full = if g.zero {
-                g.count >= MAX_ZERO_RUN
-            } else {
-                g.count >= stripe.max_pages
-            };
+            let full = g.count
+                >= if g.zero {
+                    MAX_ZERO_RUN
+                } else {
+                    MAX_PAGES_PER_FRAME
+                };
             if g.count > 0
                 && (g.zero != zero || g.region != ri || g.first + u64::from(g.count) != p || full)
             {
-                emit(ws, layout, &mut g, live, stripe)?;
+                emit(w, layout, &mut g, live, tally)?;
             }
             if g.count == 0 {
                 g.zero = zero;
@@ -272,31 +235,28 @@ fn send_pages_inner<W: Write>(
             }
             done += 1;
             if done.is_multiple_of(4096) {
-                tick(done, &stripe.total);
+                tick(done, &tally.total);
             }
         }
         // Runs are maximal, so the group cannot continue past a gap.
-        emit(ws, layout, &mut g, live, stripe)?;
+        emit(w, layout, &mut g, live, tally)?;
     }
-    ws[0].inspect_time += inspect_time;
-    tick(done, &stripe.total);
+    w.inspect_time += inspect_time;
+    tick(done, &tally.total);
     Ok(())
 }
 
 fn emit<W: Write>(
-    ws: &mut [&mut StreamWriter<W>],
+    w: &mut StreamWriter<W>,
     layout: &Layout,
     g: &mut Group,
     live: bool,
-    stripe: &mut Stripe<'_>,
+    tally: &mut Tally<'_>,
 ) -> Result<()> {
     if g.count == 0 {
         return Ok(());
     }
     let addr = layout.regions[g.region].guest_addr + g.first * PAGE_SIZE;
-    let i = stripe.next;
-    let lanes = ws.len();
-    let w = &mut *ws[i];
     let add = if g.zero {
         w.write_frame(&Frame::ZeroPages {
             addr,
@@ -309,27 +269,18 @@ fn emit<W: Write>(
         }
     } else {
         let (bytes_before, time_before) = (w.out.bytes, w.out.write_time);
-        let bytes =
-            match compress_group(w, layout, g, addr, live, stripe.compressor.as_deref_mut())? {
-                Some(n) => n,
-                None => {
-                    let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
-                    queue_guest_pages(&mut w.batch, layout, g.region, g.first, u64::from(g.count));
-                    w.batch.push_bytes(&trailer);
-                    pages_frame_len(u64::from(g.count))
-                }
-            };
-        if lanes > 1 {
-            // Each connection gets its share at once (1 MiB at a time), so that all of them
-            // stay busy; small frames (pages between zero pages) are gathered first.
-            if w.batch.len() >= STRIPE_BYTES || w.batch.is_full() {
-                w.batch.flush_to(&mut w.out)?;
-                stripe.next = (i + 1) % lanes;
+        let bytes = match compress_group(w, layout, g, addr, live, tally.compressor.as_deref_mut())?
+        {
+            Some(n) => n,
+            None => {
+                let trailer = pages_head(&mut w.batch, addr, live, &g.crcs);
+                queue_guest_pages(&mut w.batch, layout, g.region, g.first, u64::from(g.count));
+                w.batch.push_bytes(&trailer);
+                pages_frame_len(u64::from(g.count))
             }
-        } else {
-            w.maybe_flush()?;
-        }
-        if let Some(c) = stripe.compressor.as_deref_mut() {
+        };
+        w.maybe_flush()?;
+        if let Some(c) = tally.compressor.as_deref_mut() {
             c.link(w.out.bytes - bytes_before, w.out.write_time - time_before);
         }
         Sent {
@@ -338,38 +289,32 @@ fn emit<W: Write>(
             bytes,
         }
     };
-    for s in [&mut stripe.sent[i], &mut stripe.total] {
-        s.pages += add.pages;
-        s.zero_pages += add.zero_pages;
-        s.bytes += add.bytes;
-    }
+    tally.total.add(&add);
     g.count = 0;
     g.crcs.clear();
     Ok(())
 }
 
 /// Queues a `SamePage` frame: page `page` holds what `from` holds (sent earlier on this
-/// connection, the only one: markers are used with one connection per sender).
+/// connection).
 fn send_same<W: Write>(
-    ws: &mut [&mut StreamWriter<W>],
+    w: &mut StreamWriter<W>,
     layout: &Layout,
     page: (usize, u64),
     from: (usize, u64),
     crc: u32,
     live: bool,
-    stripe: &mut Stripe<'_>,
+    tally: &mut Tally<'_>,
 ) -> Result<()> {
     let addr_of = |(r, p): (usize, u64)| layout.regions[r].guest_addr + p * PAGE_SIZE;
-    let bytes = ws[0].write_frame(&Frame::SamePage {
+    let bytes = w.write_frame(&Frame::SamePage {
         addr: addr_of(page),
         from: addr_of(from),
         crc,
         live,
     })?;
-    for s in [&mut stripe.sent[0], &mut stripe.total] {
-        s.pages += 1;
-        s.bytes += bytes;
-    }
+    tally.total.pages += 1;
+    tally.total.bytes += bytes;
     Ok(())
 }
 

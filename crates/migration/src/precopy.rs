@@ -32,7 +32,7 @@ use crate::config::MigrationConfig;
 use crate::dedup::Refs;
 use crate::error::{Error, Result};
 use crate::lanes::SpawnLane;
-use crate::pages::{send_pages, send_pages_striped, Sent};
+use crate::pages::{send_pages, Sent};
 use crate::postcopy::{PostcopyReport, PostcopySource, SourceLink, Switch};
 use crate::ram::{GuestRam, Layout, PAGE_SIZE};
 use crate::resident::{prefetch_swapped, touched_in, ResidencyMethod};
@@ -280,7 +280,7 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     w: StreamWriter<W>,
     /// Data connections: pages are striped over `w` and these.
     lanes: Vec<LaneKit<W>>,
-    /// Sending threads for the data connections (else this thread writes them all).
+    /// The data connections' sending threads (always there when `lanes` has any).
     threads: Option<&'a dyn RoundSender<W>>,
     ack: R,
     params: &'a MigrationParams,
@@ -338,54 +338,19 @@ where
     R: Read,
     P: FnMut(&Progress),
 {
-    migrate_parallel(
-        ram,
-        config,
-        dirty,
-        vm,
-        out,
-        Vec::new(),
-        ack_in,
-        params,
-        progress,
+    run_migration(
+        ram, config, dirty, vm, out, ack_in, params, None, progress, None,
     )
 }
 
 /// [`migrate`] with data connections besides the control connection `out` (connected to
 /// the same destination, which accepts them with [`crate::receive_parallel`]): pages are
-/// striped over all of them, while rounds, state and `End` keep their order on `out`. It is
-/// still one migration: any connection failing fails it, with the guaranties of
-/// [`migrate`]. A bandwidth limit is shared evenly between the connections.
-#[allow(clippy::too_many_arguments)]
-pub fn migrate_parallel<G, D, V, W, R, P>(
-    ram: &G,
-    config: &MigrationConfig,
-    dirty: &mut D,
-    vm: &mut V,
-    out: W,
-    data: Vec<W>,
-    ack_in: R,
-    params: &MigrationParams,
-    progress: P,
-) -> Result<MigrationReport>
-where
-    G: GuestRam + ?Sized,
-    D: DirtySource + ?Sized,
-    V: VmControl + ?Sized,
-    W: Write,
-    R: Read,
-    P: FnMut(&Progress),
-{
-    run_migration(
-        ram, config, dirty, vm, out, data, ack_in, params, None, progress, None,
-    )
-}
-
-/// [`migrate_parallel`] with a sending thread per data connection, started with `spawn`
-/// (the VMM passes its sandboxed spawner): each thread does the zero check, CRC-32,
-/// compression and writes of its share of the pages, while this thread sends its own share
-/// on `out` and keeps the order of the migration. Any thread's failure fails the migration,
-/// with the guaranties of [`migrate`].
+/// striped over all of them, while rounds, state and `End` keep their order on `out`. Each
+/// data connection has a sending thread, started with `spawn` (the VMM passes its sandboxed
+/// spawner), that does the zero check, CRC-32, compression and writes of its share of the
+/// pages, while this thread sends its own share on `out`. It is still one migration: any
+/// connection or thread failing fails it, with the guaranties of [`migrate`]. A bandwidth
+/// limit is shared evenly between the connections.
 ///
 /// With `postcopy`, the source switches to post-copy after `after_rounds` live rounds: it
 /// pauses, sends its state and the set of pages the destination still lacks, and serves
@@ -423,12 +388,11 @@ where
         dirty,
         vm,
         out,
-        data,
         ack_in,
         params,
         postcopy,
         progress,
-        Some(&threads),
+        Some((data, &threads)),
     )
 }
 
@@ -439,12 +403,11 @@ fn run_migration<G, D, V, W, R, P>(
     dirty: &mut D,
     vm: &mut V,
     out: W,
-    data: Vec<W>,
     ack_in: R,
     params: &MigrationParams,
     postcopy: Option<&PostcopySource<'_>>,
     progress: P,
-    threads: Option<&dyn RoundSender<W>>,
+    data: Option<(Vec<W>, &dyn RoundSender<W>)>,
 ) -> Result<MigrationReport>
 where
     G: GuestRam + ?Sized,
@@ -455,6 +418,10 @@ where
     P: FnMut(&Progress),
 {
     params.validate()?;
+    let (data, threads) = match data {
+        Some((data, threads)) => (data, Some(threads)),
+        None => (Vec::new(), None),
+    };
     if data.len() > crate::stream::MAX_DATA_CONNECTIONS as usize {
         return Err(Error::Param(format!(
             "{} data connections, at most {} allowed",
@@ -695,11 +662,15 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
                 &mut tick,
             )?,
             _ => {
-                let mut ws: Vec<&mut StreamWriter<W>> = std::iter::once(&mut self.w)
-                    .chain(self.lanes.iter_mut().map(|l| &mut l.w))
-                    .collect();
                 let c = Some(&mut self.compressor);
-                send_pages_striped(&mut ws, &self.layout, set, live, c, &mut tick)?
+                vec![send_pages(
+                    &mut self.w,
+                    &self.layout,
+                    set,
+                    live,
+                    c,
+                    &mut tick,
+                )?]
             }
         };
         let duration_us = t.elapsed().as_micros() as u64;
@@ -1079,7 +1050,14 @@ where
     w.write_frame(&Frame::Config(config.clone()))?;
     let residency = touched_in(&layout, ram.file_data_pages().as_ref());
     let touched = residency.pages.count();
-    let sent = send_pages(&mut w, &layout, &residency.pages, false, &mut |_, _| {})?;
+    let sent = send_pages(
+        &mut w,
+        &layout,
+        &residency.pages,
+        false,
+        None,
+        &mut |_, _| {},
+    )?;
     let duration = t.elapsed();
     w.write_frame(&Frame::RoundEnd(RoundEndInfo {
         round: 0,

@@ -187,11 +187,6 @@ impl Batch {
         }
     }
 
-    /// Bytes queued.
-    pub fn len(&self) -> usize {
-        self.bytes
-    }
-
     pub fn is_full(&self) -> bool {
         self.segs.len() >= MAX_SEGS || self.bytes >= MAX_BATCH_BYTES
     }
