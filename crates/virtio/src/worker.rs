@@ -338,6 +338,11 @@ pub struct Workers {
 }
 
 impl Workers {
+    /// Between `pause` and `resume`.
+    pub fn paused(&self) -> bool {
+        self.paused
+    }
+
     /// Starts a thread named `name` serving `queues` with `handler`; parked if the device
     /// is paused. On failure every thread of the set is stopped.
     pub fn spawn<M, H>(

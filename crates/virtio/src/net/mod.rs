@@ -12,9 +12,9 @@
 //!
 //! After a restore or an incoming migration the device announces the guest: it writes
 //! RARP frames with the guest's MAC on the tap (so switches learn where it went, as QEMU's
-//! announce does: the first at once, the others 50 and 200 ms later, see [`announce`]) and, with VIRTIO_NET_F_GUEST_ANNOUNCE, sets VIRTIO_NET_S_ANNOUNCE and
-//! interrupts, so the guest sends its own gratuitous ARPs and acknowledges on the control
-//! queue.
+//! announce does: the first at once, the others 50 and 200 ms later, see [`announce`])
+//! and, with VIRTIO_NET_F_GUEST_ANNOUNCE, sets VIRTIO_NET_S_ANNOUNCE and interrupts, so the
+//! guest sends its own gratuitous ARPs and acknowledges on the control queue.
 
 pub mod announce;
 mod ctrl;
@@ -134,8 +134,6 @@ pub struct Net {
     restored_pairs: Option<u16>,
     /// `vhost=on`: the kernel serves the queue pairs ([`vhost`]).
     kernel: Option<Box<dyn vhost::KernelDataPath>>,
-    /// Between `pause` and `resume`.
-    paused: bool,
     /// The RARP frames still to come after a restore.
     announcer: announce::Announcer,
     /// One per pair: its queues' re-check timers.
@@ -195,7 +193,6 @@ impl Net {
             announce_pending: false,
             restored_pairs: None,
             kernel: None,
-            paused: false,
             announcer: announce::Announcer::default(),
             timers,
         })
@@ -397,13 +394,11 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Net {
 
     fn pause(&mut self) -> Result<(), LifecycleError> {
         self.announcer.cancel();
-        self.paused = true;
         self.workers.pause()?;
         self.pause_kernel_path()
     }
 
     fn resume(&mut self) -> Result<(), LifecycleError> {
-        self.paused = false;
         self.resume_kernel_path()?;
         self.workers.resume()?;
         if std::mem::take(&mut self.announce_pending) {
@@ -476,7 +471,7 @@ impl Net {
             .zip(by_pair)
             .filter(|(_, queues)| !queues.is_empty())
             .collect();
-        let threads = self.io_threads(served.len()).max(1);
+        let threads = self.io_threads(served.len());
         let per_thread = served.len().div_ceil(threads).max(1);
         let used = served.len().div_ceil(per_thread);
         let plural = |n: usize| if n == 1 { "" } else { "s" };

@@ -432,7 +432,7 @@ impl super::Net {
             }
         }
         self.shared.refresh_steering();
-        let (acked, paused) = (self.acked_features, self.paused);
+        let (acked, paused) = (self.acked_features, self.workers.paused());
         let queues = by_pair.into_iter().flatten().collect();
         if let Some(kernel) = self.kernel.as_mut() {
             kernel.start(acked, queues, calls, used_index_reader(mem.clone()), paused)?;
