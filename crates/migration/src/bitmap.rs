@@ -132,9 +132,14 @@ impl Bitmap {
     /// Runs of consecutive set pages of one region, as (first page, count), each at most
     /// `max_run` long.
     pub(crate) fn runs(&self, region: usize, max_run: u64) -> Runs<'_> {
+        self.runs_from(region, 0, max_run)
+    }
+
+    /// [`Bitmap::runs`] from page `from` on.
+    pub(crate) fn runs_from(&self, region: usize, from: u64, max_run: u64) -> Runs<'_> {
         Runs {
             words: self.regions.get(region).map_or(&[][..], |v| &v[..]),
-            pos: 0,
+            pos: from,
             max_run: max_run.max(1),
         }
     }
@@ -222,6 +227,10 @@ mod tests {
         assert_eq!(b.count(), 146);
         let all: Vec<_> = Bitmap::full(&[130]).runs(0, 1000).collect();
         assert_eq!(all, vec![(0, 130)]);
+        // From the middle of a run, and past the last.
+        let from: Vec<_> = b.runs_from(0, 100, 64).collect();
+        assert_eq!(from, vec![(100, 64), (164, 36), (299, 1)]);
+        assert_eq!(b.runs_from(0, 300, 64).next(), None);
     }
 
     #[test]

@@ -337,8 +337,8 @@ impl SourceLink {
     ) -> Result<u64> {
         while cursor.0 < layout.regions.len() {
             let (region, from) = *cursor;
-            match next_set(missing, region, from) {
-                Some(first) => {
+            match missing.runs_from(region, from, 1).next() {
+                Some((first, _)) => {
                     let pages = layout.regions[region].size / PAGE_SIZE;
                     let count = BACKGROUND_CHUNK.min(pages - first);
                     *cursor = (region, first + count);
@@ -365,20 +365,14 @@ impl SourceLink {
         report: &mut PostcopyReport,
     ) -> Result<u64> {
         let base = layout.regions[region].guest_addr;
+        let end = first + count;
+        let runs: Vec<(u64, u64)> = missing
+            .runs_from(region, first, u64::from(MAX_PAGES_PER_FRAME))
+            .take_while(|&(p, _)| p < end)
+            .map(|(p, n)| (p, n.min(end - p)))
+            .collect();
         let mut sent = 0;
-        let mut p = first;
-        while p < first + count {
-            if !missing.get(region, p) {
-                p += 1;
-                continue;
-            }
-            let mut n = 1;
-            while p + n < first + count
-                && n < u64::from(MAX_PAGES_PER_FRAME)
-                && missing.get(region, p + n)
-            {
-                n += 1;
-            }
+        for (p, n) in runs {
             // SAFETY: pages `p..p + n` lie inside region `region` (bounded by `missing`,
             // which conforms to the layout, and by a checked request range); the source guest
             // is paused for the whole post-copy, so nothing writes them while they are read.
@@ -390,7 +384,6 @@ impl SourceLink {
                 missing.clear(region, q);
             }
             sent += n;
-            p += n;
         }
         Ok(sent)
     }
@@ -418,20 +411,6 @@ impl SourceLink {
             i = j;
         }
         Ok(())
-    }
-}
-
-/// The first page at or after `from` set in `region` of `b`, skipping empty words.
-fn next_set(b: &Bitmap, region: usize, from: u64) -> Option<u64> {
-    let words = b.regions().get(region)?;
-    let mut w = (from / 64) as usize;
-    let mut bits = words.get(w)? & (u64::MAX << (from % 64));
-    loop {
-        if bits != 0 {
-            return Some(w as u64 * 64 + u64::from(bits.trailing_zeros()));
-        }
-        w += 1;
-        bits = *words.get(w)?;
     }
 }
 
