@@ -131,12 +131,12 @@ impl Bitmap {
 
     /// Runs of consecutive set pages of one region, as (first page, count), each at most
     /// `max_run` long.
-    pub(crate) fn runs(&self, region: usize, max_run: u64) -> Runs<'_> {
+    pub fn runs(&self, region: usize, max_run: u64) -> Runs<'_> {
         self.runs_from(region, 0, max_run)
     }
 
     /// [`Bitmap::runs`] from page `from` on.
-    pub(crate) fn runs_from(&self, region: usize, from: u64, max_run: u64) -> Runs<'_> {
+    pub fn runs_from(&self, region: usize, from: u64, max_run: u64) -> Runs<'_> {
         Runs {
             words: self.regions.get(region).map_or(&[][..], |v| &v[..]),
             pos: from,
@@ -158,7 +158,7 @@ fn clear_tail(words: &mut [u64], pages: u64) {
 }
 
 /// Iterator over runs of set bits.
-pub(crate) struct Runs<'a> {
+pub struct Runs<'a> {
     words: &'a [u64],
     pos: u64,
     max_run: u64,

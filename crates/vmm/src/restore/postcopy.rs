@@ -167,22 +167,8 @@ pub fn start(
 /// Drops the missing pages (stale copies from earlier rounds) and registers all of RAM.
 fn register(uffd: &Uffd, spans: &[Span], missing: &Bitmap) -> io::Result<()> {
     for (ri, s) in spans.iter().enumerate() {
-        let words = missing.regions().get(ri).map_or(&[][..], |w| &w[..]);
-        let mut p = 0;
-        while p < s.pages {
-            let set = |q: u64| {
-                words
-                    .get((q / 64) as usize)
-                    .is_some_and(|w| w & (1 << (q % 64)) != 0)
-            };
-            if !set(p) {
-                p += 1;
-                continue;
-            }
-            let mut n = 1;
-            while p + n < s.pages && set(p + n) {
-                n += 1;
-            }
+        let runs = missing.runs(ri, u64::MAX).take_while(|&(p, _)| p < s.pages);
+        for (p, n) in runs.map(|(p, n)| (p, n.min(s.pages - p))) {
             // SAFETY: the run lies inside one region of guest RAM, a private anonymous
             // mapping the machine owns; no vCPU runs yet, and these pages' contents are
             // stale (the source sends them again). MADV_DONTNEED only drops them.
@@ -190,7 +176,6 @@ fn register(uffd: &Uffd, spans: &[Span], missing: &Bitmap) -> io::Result<()> {
             if unsafe { libc::madvise(addr, (n * PAGE_SIZE) as usize, libc::MADV_DONTNEED) } != 0 {
                 return Err(io::Error::last_os_error());
             }
-            p += n;
         }
         uffd.register(s.host as *mut libc::c_void, (s.pages * PAGE_SIZE) as usize)
             .map_err(uffd_error)?;
