@@ -261,8 +261,17 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1000.0
 }
 
-/// The host address and length of each region of guest RAM.
-fn host_spans(memory: &GuestMemory) -> std::io::Result<Vec<(usize, usize)>> {
+/// One region of guest RAM as the userfaultfd handlers see it.
+struct RamSpan {
+    /// Its host address.
+    host: usize,
+    /// Its guest-physical address.
+    guest: u64,
+    pages: u64,
+}
+
+/// The regions of guest RAM, in order.
+fn ram_spans(memory: &GuestMemory) -> std::io::Result<Vec<RamSpan>> {
     use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
     memory
         .iter()
@@ -270,9 +279,47 @@ fn host_spans(memory: &GuestMemory) -> std::io::Result<Vec<(usize, usize)>> {
             let host = r
                 .get_host_address(MemoryRegionAddress(0))
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
-            Ok((host as usize, r.len() as usize))
+            Ok(RamSpan {
+                host: host as usize,
+                guest: r.start_addr().0,
+                pages: r.len() / migration::PAGE_SIZE,
+            })
         })
         .collect()
+}
+
+/// The region and page of a host address inside guest RAM.
+fn locate_host(spans: &[RamSpan], addr: usize) -> Option<(usize, u64)> {
+    spans.iter().enumerate().find_map(|(i, s)| {
+        let off = addr.checked_sub(s.host)? as u64 / migration::PAGE_SIZE;
+        (off < s.pages).then_some((i, off))
+    })
+}
+
+/// One bit per page of guest RAM, each set at most once: which thread installs a page.
+struct PageBits(Vec<Vec<std::sync::atomic::AtomicU64>>);
+
+impl PageBits {
+    fn new(spans: &[RamSpan]) -> PageBits {
+        let words = |s: &RamSpan| {
+            (0..migration::words_for(s.pages))
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect()
+        };
+        PageBits(spans.iter().map(words).collect())
+    }
+
+    /// Sets the bit of `page`; false if it was set already.
+    fn claim(&self, region: usize, page: u64) -> bool {
+        let bit = 1u64 << (page % 64);
+        let word = &self.0[region][(page / 64) as usize];
+        word.fetch_or(bit, std::sync::atomic::Ordering::AcqRel) & bit == 0
+    }
+
+    fn is_set(&self, region: usize, page: u64) -> bool {
+        let word = &self.0[region][(page / 64) as usize];
+        word.load(std::sync::atomic::Ordering::Acquire) & (1u64 << (page % 64)) != 0
+    }
 }
 
 /// Restores guest memory from the snapshot at `path` (see the module documentation).

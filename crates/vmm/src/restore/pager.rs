@@ -32,6 +32,7 @@ use migration::{Bitmap, SnapshotImage, PAGE_SIZE};
 use userfaultfd::{Event, IoctlFlags, ReadWrite, Uffd, UffdBuilder};
 
 use super::Status;
+use super::{locate_host, PageBits, RamSpan};
 use crate::memory::GuestMemory;
 
 /// Pages installed around a faulting page: the data pages of its aligned 64 KiB block, or
@@ -51,12 +52,6 @@ const PAGE: usize = PAGE_SIZE as usize;
 /// copy-on-write fault a mapped zero page would take).
 static ZERO_PAGE: [u8; PAGE] = [0; PAGE];
 
-/// One registered RAM region.
-struct Span {
-    host: usize,
-    pages: u64,
-}
-
 /// What the pager did, for the log.
 #[derive(Default)]
 struct Counters {
@@ -72,10 +67,10 @@ struct Counters {
 pub struct Pager {
     uffd: Uffd,
     image: SnapshotImage,
-    spans: Vec<Span>,
+    spans: Vec<RamSpan>,
     data: Bitmap,
     /// One bit per page of each region: set by the thread that installs the page.
-    claimed: Vec<Vec<AtomicU64>>,
+    claimed: PageBits,
     /// Woken when the prefetch is complete: the fault thread then lets go of the pager.
     loaded: Waker,
     counters: Counters,
@@ -129,7 +124,8 @@ pub(super) fn uffd_error(e: userfaultfd::Error) -> io::Error {
 /// machine's set-up may have written some) is dropped first, so that every page faults.
 /// No vCPU may run yet.
 pub fn register(uffd: &Uffd, memory: &GuestMemory) -> io::Result<()> {
-    for (host, size) in super::host_spans(memory)? {
+    for span in super::ram_spans(memory)? {
+        let (host, size) = (span.host, (span.pages * PAGE_SIZE) as usize);
         // SAFETY: `host..host + size` is one region of guest RAM, a private anonymous mapping
         // that `memory` owns and keeps mapped; no vCPU runs and nothing else uses it during
         // the restore, and its contents are about to be replaced by the snapshot's anyway.
@@ -153,21 +149,8 @@ pub fn register(uffd: &Uffd, memory: &GuestMemory) -> io::Result<()> {
 impl Pager {
     /// A pager over `memory`, already registered with `uffd` ([`register`]).
     pub fn new(uffd: Uffd, image: SnapshotImage, memory: &GuestMemory) -> io::Result<Self> {
-        let spans: Vec<Span> = super::host_spans(memory)?
-            .into_iter()
-            .map(|(host, size)| Span {
-                host,
-                pages: size as u64 / PAGE_SIZE,
-            })
-            .collect();
-        let claimed = spans
-            .iter()
-            .map(|s| {
-                (0..migration::words_for(s.pages))
-                    .map(|_| AtomicU64::new(0))
-                    .collect()
-            })
-            .collect();
+        let spans = super::ram_spans(memory)?;
+        let claimed = PageBits::new(&spans);
         Ok(Pager {
             data: image.data_pages(),
             uffd,
@@ -222,19 +205,9 @@ impl Pager {
         Ok(threads)
     }
 
-    /// The region and page of a host address inside guest RAM.
-    fn locate(&self, addr: usize) -> Option<(usize, u64)> {
-        self.spans.iter().enumerate().find_map(|(i, s)| {
-            let off = addr.checked_sub(s.host)? as u64 / PAGE_SIZE;
-            (off < s.pages).then_some((i, off))
-        })
-    }
-
     /// Claims a page for installing; false if a thread claimed it before.
     fn claim(&self, region: usize, page: u64) -> bool {
-        let bit = 1u64 << (page % 64);
-        let word = &self.claimed[region][(page / 64) as usize];
-        word.fetch_or(bit, Ordering::AcqRel) & bit == 0
+        self.claimed.claim(region, page)
     }
 
     /// Claims the data pages of `first..end` that no thread claimed yet, and installs them
@@ -362,7 +335,7 @@ impl Pager {
     /// data. A page another thread has claimed is left to it: its copy wakes the faulting
     /// thread.
     fn serve(&self, addr: usize, write: bool, ahead: &mut Readahead, buf: &mut [u8]) -> Result<()> {
-        let Some((region, page)) = self.locate(addr) else {
+        let Some((region, page)) = locate_host(&self.spans, addr) else {
             log::warn!("userfaultfd: a fault at {addr:#x}, outside guest RAM");
             return Ok(());
         };

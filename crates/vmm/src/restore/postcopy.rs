@@ -28,18 +28,13 @@ use migration::{Arrival, ArrivalReader, Bitmap, PostcopyIncoming, Record, PAGE_S
 use userfaultfd::{Event, ReadWrite, Uffd};
 
 use super::pager::{open_userfaultfd, uffd_error, wait_readable};
+use super::{locate_host, PageBits, RamSpan};
 use crate::memory::GuestMemory;
 
 const PAGE: usize = PAGE_SIZE as usize;
 /// Pages asked for around a faulting page: the missing ones of its aligned 64 KiB block.
 const REQUEST_BLOCK: u64 = 16;
 static ZERO_PAGE: [u8; PAGE] = [0; PAGE];
-
-struct Span {
-    host: usize,
-    guest: u64,
-    pages: u64,
-}
 
 /// What the destination counted, for the log and the report.
 #[derive(Default)]
@@ -80,38 +75,17 @@ impl Postcopy {
 
 struct Server {
     uffd: Uffd,
-    spans: Vec<Span>,
+    spans: Vec<RamSpan>,
     missing: Bitmap,
     /// One bit per page: installed (or claimed for a zero page).
-    installed: Vec<Vec<AtomicU64>>,
+    installed: PageBits,
     /// One bit per page: asked for already.
-    requested: Vec<Vec<AtomicU64>>,
+    requested: PageBits,
     requests: Mutex<TcpStream>,
     resident: Waker,
     counters: Counters,
     status: Arc<Postcopy>,
     started: Instant,
-}
-
-fn bits(spans: &[Span]) -> Vec<Vec<AtomicU64>> {
-    spans
-        .iter()
-        .map(|s| {
-            (0..migration::words_for(s.pages))
-                .map(|_| AtomicU64::new(0))
-                .collect()
-        })
-        .collect()
-}
-
-/// Sets the bit of `page`; false if it was set already.
-fn claim(map: &[Vec<AtomicU64>], region: usize, page: u64) -> bool {
-    let bit = 1u64 << (page % 64);
-    map[region][(page / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit == 0
-}
-
-fn is_set(map: &[Vec<AtomicU64>], region: usize, page: u64) -> bool {
-    map[region][(page / 64) as usize].load(Ordering::Acquire) & (1u64 << (page % 64)) != 0
 }
 
 /// Registers guest RAM and starts the post-copy threads. No vCPU may run yet; the guest may
@@ -123,15 +97,7 @@ pub fn start(
 ) -> io::Result<Arc<Postcopy>> {
     let uffd = open_userfaultfd()
         .map_err(|e| io::Error::other(format!("post-copy needs a userfaultfd: {e}")))?;
-    let spans: Vec<Span> = super::host_spans(memory)?
-        .into_iter()
-        .zip(&incoming.ranges)
-        .map(|((host, size), r)| Span {
-            host,
-            guest: r.guest_addr,
-            pages: size as u64 / PAGE_SIZE,
-        })
-        .collect();
+    let spans = super::ram_spans(memory)?;
     register(&uffd, &spans, &incoming.missing)?;
     let status = Arc::new(Postcopy {
         failure: Mutex::new(None),
@@ -141,8 +107,8 @@ pub fn start(
     // The link keeps the read timeout it was accepted with: until `End` the source sends
     // without pause, so a silence that long means a source (or link) gone without a word.
     let server = Arc::new(Server {
-        installed: bits(&spans),
-        requested: bits(&spans),
+        installed: PageBits::new(&spans),
+        requested: PageBits::new(&spans),
         requests: Mutex::new(link.try_clone()?),
         uffd,
         spans,
@@ -165,7 +131,7 @@ pub fn start(
 }
 
 /// Drops the missing pages (stale copies from earlier rounds) and registers all of RAM.
-fn register(uffd: &Uffd, spans: &[Span], missing: &Bitmap) -> io::Result<()> {
+fn register(uffd: &Uffd, spans: &[RamSpan], missing: &Bitmap) -> io::Result<()> {
     for (ri, s) in spans.iter().enumerate() {
         let runs = missing.runs(ri, u64::MAX).take_while(|&(p, _)| p < s.pages);
         for (p, n) in runs.map(|(p, n)| (p, n.min(s.pages - p))) {
@@ -184,13 +150,6 @@ fn register(uffd: &Uffd, spans: &[Span], missing: &Bitmap) -> io::Result<()> {
 }
 
 impl Server {
-    fn locate(&self, addr: usize) -> Option<(usize, u64)> {
-        self.spans.iter().enumerate().find_map(|(i, s)| {
-            let off = addr.checked_sub(s.host)? as u64 / PAGE_SIZE;
-            (off < s.pages).then_some((i, off))
-        })
-    }
-
     fn locate_guest(&self, addr: u64) -> Option<(usize, u64)> {
         self.spans.iter().enumerate().find_map(|(i, s)| {
             let off = addr.checked_sub(s.guest)? / PAGE_SIZE;
@@ -205,13 +164,13 @@ impl Server {
     /// One fault: ask for a missing page (with its block), or give a page without data a
     /// zero page.
     fn serve(&self, addr: usize, write: bool) -> io::Result<()> {
-        let Some((region, page)) = self.locate(addr) else {
+        let Some((region, page)) = locate_host(&self.spans, addr) else {
             log::warn!("post-copy: a fault at {addr:#x}, outside guest RAM");
             return Ok(());
         };
         self.counters.faults.fetch_add(1, Ordering::Relaxed);
         if !self.missing.get(region, page) {
-            if claim(&self.installed, region, page) {
+            if self.installed.claim(region, page) {
                 self.counters.zero_faults.fetch_add(1, Ordering::Relaxed);
                 return self.install_zero(region, page, write);
             }
@@ -223,8 +182,8 @@ impl Server {
         let end = (first + REQUEST_BLOCK).min(self.spans[region].pages);
         let wanted: Vec<u64> = (first..end)
             .filter(|&p| p == page || self.missing.get(region, p))
-            .filter(|&p| !is_set(&self.installed, region, p))
-            .filter(|&p| claim(&self.requested, region, p))
+            .filter(|&p| !self.installed.is_set(region, p))
+            .filter(|&p| self.requested.claim(region, p))
             .collect();
         let (Some(&lo), Some(&hi)) = (wanted.first(), wanted.last()) else {
             return Ok(());
@@ -286,7 +245,7 @@ impl Server {
         let mut i = 0;
         while i < pages {
             let mine = |j: u64| {
-                self.missing.get(region, first + j) && claim(&self.installed, region, first + j)
+                self.missing.get(region, first + j) && self.installed.claim(region, first + j)
             };
             if !mine(i) {
                 i += 1;
@@ -330,7 +289,7 @@ impl Server {
             let (region, page) = self
                 .locate_guest(addr + i * PAGE_SIZE)
                 .ok_or_else(|| io::Error::other(format!("page {addr:#x} outside guest RAM")))?;
-            if self.missing.get(region, page) && claim(&self.installed, region, page) {
+            if self.missing.get(region, page) && self.installed.claim(region, page) {
                 self.install_zero(region, page, false)?;
             }
         }
@@ -341,7 +300,7 @@ impl Server {
         let mut left = 0;
         for (ri, s) in self.spans.iter().enumerate() {
             for p in 0..s.pages {
-                if self.missing.get(ri, p) && !is_set(&self.installed, ri, p) {
+                if self.missing.get(ri, p) && !self.installed.is_set(ri, p) {
                     left += 1;
                 }
             }
