@@ -580,11 +580,6 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
     }
 
-    /// The compressors (and page-marker tables) of every connection.
-    fn compressors(&mut self) -> impl Iterator<Item = &mut Compressor> {
-        std::iter::once(&mut self.compressor).chain(self.lanes.iter_mut().map(|l| &mut l.comp))
-    }
-
     /// Bytes written on every connection.
     fn bytes_written(&self) -> u64 {
         self.w.bytes_written() + self.lanes.iter().map(|l| l.w.bytes_written()).sum::<u64>()
@@ -638,7 +633,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let t = Instant::now();
         self.meter.round = index;
         let base = self.bytes_written();
-        for c in self.compressors() {
+        for c in compressors(&mut self.compressor, &mut self.lanes) {
             if let Some(d) = c.dedup.as_mut() {
                 d.new_round();
             }
@@ -674,13 +669,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             }
         };
         let duration_us = t.elapsed().as_micros() as u64;
-        let mut refs = Refs::default();
-        for c in self.compressors() {
+        for c in compressors(&mut self.compressor, &mut self.lanes) {
             if let Some(d) = c.dedup.as_mut() {
-                refs.add(&mut d.refs);
+                self.same_refs.add(&mut d.refs);
             }
         }
-        self.same_refs.add(&mut refs.0);
         let mut sent = Sent::default();
         for (i, s) in per_lane.iter().enumerate() {
             sent.pages += s.pages;
@@ -996,6 +989,15 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         }
         wait_reply(&mut self.ack, &Frame::Ack)
     }
+}
+
+/// The compressors (and page-marker tables) of every connection: the control connection's,
+/// then each data connection's.
+fn compressors<'a, W: Write>(
+    main: &'a mut Compressor,
+    lanes: &'a mut [LaneKit<W>],
+) -> impl Iterator<Item = &'a mut Compressor> {
+    std::iter::once(main).chain(lanes.iter_mut().map(|l| &mut l.comp))
 }
 
 /// A token that ties the data connections to their migration (not a secret: it keeps a
