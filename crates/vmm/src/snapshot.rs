@@ -423,15 +423,12 @@ impl Core {
             s.set_write_timeout(Some(PEER_TIMEOUT))?;
             Ok(s)
         };
-        let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
-            sandbox::spawn(sandbox::Role::Migration, name, body)
-        };
         let postcopy = request
             .post_copy_rounds()
             .map(|after_rounds| migration::PostcopySource {
                 after_rounds,
                 connect: &connect,
-                spawn: &spawn,
+                spawn: &migration_thread,
                 timeout: PEER_TIMEOUT,
             });
         if postcopy.is_some() && warm {
@@ -459,7 +456,7 @@ impl Core {
                 }
                 progress(progress_json(p))
             },
-            &spawn,
+            &migration_thread,
         );
         if result.as_ref().is_err_and(|e| !e.outcome_unknown()) && control.paused {
             // Paused before the engine ran (warm): the engine leaves that to us.
@@ -467,6 +464,15 @@ impl Core {
         }
         result
     }
+}
+
+/// Starts one of a migration's threads (a data connection's or post-copy's) in the
+/// migration role's sandbox.
+fn migration_thread(
+    name: String,
+    body: Box<dyn FnOnce() + Send>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    sandbox::spawn(sandbox::Role::Migration, name, body)
 }
 
 /// Connections a migration uses by default: one per host CPU, at most 4.
@@ -902,12 +908,9 @@ fn receive_from(
     let _ = stream.set_nodelay(true);
     stream.set_write_timeout(Some(PEER_TIMEOUT))?;
     let started = Instant::now();
-    let spawn = |name: String, body: Box<dyn FnOnce() + Send>| {
-        sandbox::spawn(sandbox::Role::Migration, name, body)
-    };
     let parallel = migration::ParallelReceive {
         listener,
-        spawn: &spawn,
+        spawn: &migration_thread,
         timeout: PEER_TIMEOUT,
     };
     // Not buffered here: the receiver reads through a small buffer of its own, and page data
