@@ -43,20 +43,6 @@ def cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def wait_serial(path, proc, timeout=180):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if re.search(r"tick 1 ok", open(path, errors="replace").read()):
-                return True
-        except FileNotFoundError:
-            pass
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.1)
-    return False
-
-
 def run_ferrovm(gib, mib, var_env, connections, binary):
     work = tempfile.mkdtemp(prefix="fvmigab")
     port = 7600 + int.from_bytes(os.urandom(2), "little") % 1000
@@ -74,7 +60,7 @@ def run_ferrovm(gib, mib, var_env, connections, binary):
                            stdout=subprocess.DEVNULL, stderr=open(f"{work}/src.err", "w"))
     out = ""
     try:
-        if not wait_serial(f"{work}/src.serial", src):
+        if not bench.wait_for(f"{work}/src.serial", r"tick 1 ok", 180, src):
             return {"ok": False, "error": "guest did not start"}
         perf = None
         if PERF_OUT:
