@@ -582,7 +582,19 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
 
     /// Bytes written on every connection.
     fn bytes_written(&self) -> u64 {
-        self.w.bytes_written() + self.lanes.iter().map(|l| l.w.bytes_written()).sum::<u64>()
+        self.over_connections(|w, _| w.bytes_written())
+    }
+
+    /// `f` of every connection's writer and compressor (the control connection's first),
+    /// summed.
+    fn over_connections<T: std::iter::Sum>(
+        &self,
+        f: impl Fn(&StreamWriter<W>, &Compressor) -> T,
+    ) -> T {
+        let lanes = self.lanes.iter().map(|l| f(&l.w, &l.comp));
+        std::iter::once(f(&self.w, &self.compressor))
+            .chain(lanes)
+            .sum()
     }
 
     /// Opens the data connections: each starts with the header and its `Join`; the control
@@ -890,35 +902,14 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             max_throttle_percent: self.max_throttle,
             rounds: std::mem::take(&mut self.rounds),
             stages: SourceStages {
-                inspect: self.w.inspect_time
-                    + self
-                        .lanes
-                        .iter()
-                        .map(|l| l.w.inspect_time)
-                        .sum::<Duration>(),
-                write: self.w.out.write_time
-                    + self
-                        .lanes
-                        .iter()
-                        .map(|l| l.w.out.write_time)
-                        .sum::<Duration>(),
-                compress: self.compressor.time
-                    + self.lanes.iter().map(|l| l.comp.time).sum::<Duration>(),
+                inspect: self.over_connections(|w, _| w.inspect_time),
+                write: self.over_connections(|w, _| w.out.write_time),
+                compress: self.over_connections(|_, c| c.time),
                 ..self.stages.clone()
             },
             compression: self.params.compression,
-            compressed_page_bytes: self.compressor.compressed_raw
-                + self
-                    .lanes
-                    .iter()
-                    .map(|l| l.comp.compressed_raw)
-                    .sum::<u64>(),
-            compressed_frame_bytes: self.compressor.compressed_bytes
-                + self
-                    .lanes
-                    .iter()
-                    .map(|l| l.comp.compressed_bytes)
-                    .sum::<u64>(),
+            compressed_page_bytes: self.over_connections(|_, c| c.compressed_raw),
+            compressed_frame_bytes: self.over_connections(|_, c| c.compressed_bytes),
             postcopy,
         })
     }
