@@ -201,6 +201,22 @@ fn take_calls(record: &Arc<Mutex<Record>>) -> Vec<Call> {
 
 /// One eventfd per queue standing for its MSI-X vector's irqfd, and the duplicates the
 /// transport would hand over.
+/// Starts `s` with only VERSION_1 acked on `queues` of `driver`, each with a fresh irqfd
+/// (their other ends are returned, to keep open); `paused` as for `start`.
+fn start_v1(
+    s: &mut Setup,
+    driver: &TestDriver,
+    queues: Vec<ActiveQueue>,
+    paused: bool,
+) -> (Vec<EventFd>, Result<(), ActivateError>) {
+    let (events, calls) = irqfds(queues.len());
+    let reader = used_index_reader(driver.mem.clone());
+    let started = s
+        .vhost
+        .start(1 << VIRTIO_F_VERSION_1, queues, calls, reader, paused);
+    (events, started)
+}
+
 fn irqfds(n: usize) -> (Vec<EventFd>, Vec<OwnedFd>) {
     let events: Vec<EventFd> = (0..n)
         .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
@@ -328,11 +344,8 @@ fn pause_detaches_and_reads_the_positions_back_and_resume_rearms() {
     let mut s = setup(1, memory_regions(&*driver.mem));
     let queues = driver.active_queues();
     let used: Vec<u64> = queues.iter().map(|q| q.queue.used_ring()).collect();
-    let (_events, calls) = irqfds(2);
-    let reader = used_index_reader(driver.mem.clone());
-    s.vhost
-        .start(1 << VIRTIO_F_VERSION_1, queues, calls, reader, false)
-        .unwrap();
+    let (_events, started) = start_v1(&mut s, &driver, queues, false);
+    started.unwrap();
     take_calls(&s.record);
     // Where the kernel stands: 5 chains taken from the receive ring, 3 from the transmit
     // one, each with its used entry written.
@@ -390,11 +403,8 @@ fn started_paused_attaches_nothing_until_resumed() {
     let mut s = setup(1, memory_regions(&*driver.mem));
     let mut queues = driver.active_queues();
     queues[0].queue.set_next_avail(9); // a restored position
-    let (_events, calls) = irqfds(2);
-    let reader = used_index_reader(driver.mem.clone());
-    s.vhost
-        .start(1 << VIRTIO_F_VERSION_1, queues, calls, reader, true)
-        .unwrap();
+    let (_events, started) = start_v1(&mut s, &driver, queues, true);
+    started.unwrap();
     let calls = take_calls(&s.record);
     assert!(calls.contains(&Call::Base(0, 0, 9)));
     assert!(!calls.iter().any(|c| matches!(c, Call::Backend(..))));
@@ -407,17 +417,8 @@ fn started_paused_attaches_nothing_until_resumed() {
 fn stop_detaches_the_backends_and_hands_the_queues_back() {
     let driver = TestDriver::new(&[16, 16]);
     let mut s = setup(1, memory_regions(&*driver.mem));
-    let (_events, calls) = irqfds(2);
-    let reader = used_index_reader(driver.mem.clone());
-    s.vhost
-        .start(
-            1 << VIRTIO_F_VERSION_1,
-            driver.active_queues(),
-            calls,
-            reader,
-            false,
-        )
-        .unwrap();
+    let (_events, started) = start_v1(&mut s, &driver, driver.active_queues(), false);
+    started.unwrap();
     assert!(s.vhost.active());
     take_calls(&s.record);
     s.record.lock().unwrap().bases.insert((0, 1), 4);
@@ -444,18 +445,8 @@ fn stop_detaches_the_backends_and_hands_the_queues_back() {
 fn a_ring_outside_the_instances_is_refused() {
     let driver = TestDriver::new(&[16, 16, 16]);
     let mut s = setup(1, memory_regions(&*driver.mem));
-    let (_events, calls) = irqfds(3);
-    let reader = used_index_reader(driver.mem.clone());
-    let e = s
-        .vhost
-        .start(
-            1 << VIRTIO_F_VERSION_1,
-            driver.active_queues(),
-            calls,
-            reader,
-            false,
-        )
-        .unwrap_err();
+    let (_events, started) = start_v1(&mut s, &driver, driver.active_queues(), false);
+    let e = started.unwrap_err();
     assert!(e.0.contains("queue 2"), "{e}");
 }
 
@@ -608,17 +599,8 @@ fn a_second_start_without_a_reset_detaches_the_old_rings_first() {
     let driver = TestDriver::new(&[16, 16]);
     let mut s = setup(1, memory_regions(&*driver.mem));
     for round in 0..2 {
-        let (_events, calls) = irqfds(2);
-        let reader = used_index_reader(driver.mem.clone());
-        s.vhost
-            .start(
-                1 << VIRTIO_F_VERSION_1,
-                driver.active_queues(),
-                calls,
-                reader,
-                false,
-            )
-            .unwrap();
+        let (_events, started) = start_v1(&mut s, &driver, driver.active_queues(), false);
+        started.unwrap();
         let calls = take_calls(&s.record);
         let detached = calls.contains(&Call::Backend(0, 0, None));
         assert_eq!(detached, round == 1, "round {round}: {calls:?}");
