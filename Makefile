@@ -6,6 +6,7 @@ SHELL := /bin/bash
 #   make bench  benchmarks against QEMU and a raw KVM_RUN loop -> docs/benchmarks.md
 #   make check-freebsd  type-checks and lints the workspace for FreeBSD (needs the Rust target)
 #   make fuzz   coverage-guided fuzzing of the untrusted-input parsers (AFL++; docs/testing.md)
+#   make linux  the Linux test guest: kernel and initramfs in target/linux (guests/linux/README.md)
 
 CARGO ?= cargo
 GUESTS_DIR := target/guests
@@ -94,6 +95,18 @@ clean:
 # invariant, the VMM's memory and its file descriptors checked after each (docs/testing.md).
 soak: build
 	python3 scripts/soak.py $(SOAK_ARGS)
+
+# The Linux test guest (guests/linux/README.md): a kernel from Debian's linux-source-6.12
+# (cached outside the work tree: the first build takes minutes, later ones copy it) and a
+# busybox initramfs, in target/linux.
+LINUX_DIR := target/linux
+.PHONY: linux linux-deps
+linux-deps:
+	@./scripts/install-linux-deps.sh
+
+linux: linux-deps
+	./scripts/linux-kernel.sh $(LINUX_DIR)
+	./scripts/linux-initramfs.sh $(LINUX_DIR)
 
 # Coverage-guided fuzzing (not part of `make test`): each target of fuzz/ for FUZZ_SECONDS
 # (default 60) with AFL++, installing cargo-afl when missing. FUZZ_TARGETS picks targets,

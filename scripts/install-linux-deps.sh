@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what `make linux` needs, if it is missing: Debian's kernel source package, the
+# kernel's build tools (flex, bison, bc, libelf for objtool, OpenSSL headers, lz4 for the
+# bzImage payload) and busybox-static and cpio for the initramfs.
+set -euo pipefail
+
+need_apt=()
+[ -f /usr/src/linux-source-6.12.tar.xz ] || need_apt+=(linux-source-6.12)
+command -v flex >/dev/null || need_apt+=(flex)
+command -v bison >/dev/null || need_apt+=(bison)
+command -v bc >/dev/null || need_apt+=(bc)
+command -v lz4 >/dev/null || need_apt+=(lz4)
+command -v cpio >/dev/null || need_apt+=(cpio)
+command -v xz >/dev/null || need_apt+=(xz-utils)
+command -v gcc >/dev/null || need_apt+=(gcc)
+command -v make >/dev/null || need_apt+=(make)
+[ -e /usr/include/gelf.h ] || need_apt+=(libelf-dev)
+[ -e /usr/include/openssl/ssl.h ] || need_apt+=(libssl-dev)
+# The static libc for the vsock helper.
+[ -e /usr/lib/x86_64-linux-gnu/libc.a ] || need_apt+=(libc6-dev)
+# busybox-static replaces the dynamically linked `busybox` package.
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' \
+    || need_apt+=(busybox-static)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "installing Debian packages: ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${need_apt[@]}"
+fi
