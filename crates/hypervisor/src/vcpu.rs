@@ -58,7 +58,14 @@ pub enum VcpuExit<'a> {
     Interrupted,
     /// An exit that carries no work; re-enter.
     Spurious,
-    /// The kernel could not continue (e.g. instruction emulation failed).
+    /// The kernel's instruction emulator met an instruction it lacks (hosts that emulate
+    /// part of the guest, such as KVM's PVM backend): `bytes` are the instruction's bytes as
+    /// the kernel fetched them (up to 15; empty if it gave none). RIP is on the instruction;
+    /// user space completes it or stops the VM.
+    InstructionNotEmulated {
+        bytes: Vec<u8>,
+    },
+    /// The kernel could not continue.
     InternalError {
         detail: String,
     },

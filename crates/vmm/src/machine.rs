@@ -354,6 +354,8 @@ impl Machine {
             irqchip: irqchip.clone(),
             control: Arc::new(RunControl::default()),
             power,
+            completer: Arc::new(complete::Completer::new()),
+            ram: Arc::new(memory::CompletionRam(guest_memory.clone())),
         });
 
         let irqchip_name = match config.irqchip {

@@ -30,6 +30,21 @@ pub type GuestRegion = AnonRegion;
 /// All of guest RAM (on Linux, vm-memory's `GuestMemoryMmap`).
 pub type GuestMemory = GuestRegionCollection<GuestRegion>;
 
+/// Guest RAM as the instruction completer reads and writes it (through vm-memory, so the
+/// VMM's own dirty bitmap sees the writes).
+pub struct CompletionRam(pub Arc<GuestMemory>);
+
+impl complete::GuestRam for CompletionRam {
+    fn read(&self, gpa: u64, buf: &mut [u8]) -> bool {
+        use vm_memory::Bytes;
+        self.0.read_slice(buf, GuestAddress(gpa)).is_ok()
+    }
+    fn write(&self, gpa: u64, buf: &[u8]) -> bool {
+        use vm_memory::Bytes;
+        self.0.write_slice(buf, GuestAddress(gpa)).is_ok()
+    }
+}
+
 /// Total RAM of the host, from /proc/meminfo.
 #[cfg(target_os = "linux")]
 pub fn host_memory_bytes() -> Option<u64> {

@@ -34,6 +34,9 @@ pub struct VcpuContext {
     pub control: Arc<RunControl>,
     /// ACPI sleep states: a vCPU sleeps there while the machine is in S3.
     pub power: Arc<PowerControl>,
+    /// Completes instructions the kernel's emulator rejected, against guest RAM.
+    pub completer: Arc<complete::Completer>,
+    pub ram: Arc<dyn complete::GuestRam>,
 }
 
 pub struct VcpuThread {
@@ -167,6 +170,11 @@ fn run_loop(vcpu: &mut dyn Vcpu, ctx: &VcpuContext) -> Result<()> {
                 None
             }
             VcpuExit::Shutdown => Some("triple fault (shutdown)".to_string()),
+            VcpuExit::InstructionNotEmulated { bytes } => ctx
+                .completer
+                .complete(vcpu, ctx.ram.as_ref(), &bytes)
+                .err()
+                .map(|refusal| refusal.to_string()),
             VcpuExit::InternalError { detail } => Some(format!("KVM internal error: {detail}")),
             VcpuExit::FailEntry { reason } => Some(format!(
                 "the kernel refused to enter the guest (hardware reason {reason:#x})"

@@ -824,6 +824,32 @@ unsafe fn io_access_size(run: *const kvm_run) -> usize {
     usize::from(io.size).max(1)
 }
 
+/// The instruction KVM's emulator failed on: `Some(bytes)` for an emulation failure (empty
+/// when the kernel did not include the bytes), `None` for any other internal error.
+///
+/// Layout of `emulation_failure` (KVM API): `data[0]` holds the flags (bit 0: instruction
+/// bytes present), then one byte of length and up to 15 bytes of instruction.
+///
+/// # Safety
+/// `run` must be a live `kvm_run` page right after a KVM_EXIT_INTERNAL_ERROR.
+unsafe fn emulation_failure_bytes(run: *const kvm_run) -> Option<Vec<u8>> {
+    // SAFETY: guaranteed by the caller.
+    let internal = unsafe { (*run).__bindgen_anon_1.internal };
+    if internal.suberror != KVM_INTERNAL_ERROR_EMULATION {
+        return None;
+    }
+    let has_bytes = internal.ndata >= 3 && internal.data[0] & 1 != 0;
+    if !has_bytes {
+        return Some(Vec::new());
+    }
+    let raw: Vec<u8> = internal.data[1..3]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    let len = usize::from(raw[0]).min(15);
+    Some(raw[1..=len].to_vec())
+}
+
 /// Reads the kernel's description of an internal error out of the `kvm_run` page.
 ///
 /// # Safety
@@ -940,9 +966,13 @@ impl Vcpu for KvmVcpu {
             KvmExit::IoapicEoi(vector) => VcpuExit::IoapicEoi { vector },
             KvmExit::Intr | KvmExit::IrqWindowOpen => VcpuExit::Spurious,
             KvmExit::FailEntry(reason, _) => VcpuExit::FailEntry { reason },
-            KvmExit::InternalError => VcpuExit::InternalError {
-                // SAFETY: `run` is live and the exit is KVM_EXIT_INTERNAL_ERROR.
-                detail: unsafe { internal_error_detail(run) },
+            // SAFETY: `run` is live and the exit is KVM_EXIT_INTERNAL_ERROR.
+            KvmExit::InternalError => match unsafe { emulation_failure_bytes(run) } {
+                Some(bytes) => VcpuExit::InstructionNotEmulated { bytes },
+                // SAFETY: as above.
+                None => VcpuExit::InternalError {
+                    detail: unsafe { internal_error_detail(run) },
+                },
             },
             other => VcpuExit::Unsupported(format!("{other:?}")),
         })
