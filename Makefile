@@ -7,6 +7,7 @@ SHELL := /bin/bash
 #   make check-freebsd  type-checks and lints the workspace for FreeBSD (needs the Rust target)
 #   make fuzz   coverage-guided fuzzing of the untrusted-input parsers (AFL++; docs/testing.md)
 #   make linux  the Linux test guest: kernel and initramfs in target/linux (guests/linux/README.md)
+#   make test-linux  boots it under ferrovm: SMP, both irqchips, drivers, power, login (minutes)
 
 CARGO ?= cargo
 GUESTS_DIR := target/guests
@@ -100,13 +101,24 @@ soak: build
 # (cached outside the work tree: the first build takes minutes, later ones copy it) and a
 # busybox initramfs, in target/linux.
 LINUX_DIR := target/linux
-.PHONY: linux linux-deps
+.PHONY: linux linux-deps test-linux
 linux-deps:
 	@./scripts/install-linux-deps.sh
 
 linux: linux-deps
 	./scripts/linux-kernel.sh $(LINUX_DIR)
 	./scripts/linux-initramfs.sh $(LINUX_DIR)
+
+# The Linux boot tests (tests/linux.rs; docs/linux-guest.md): every boot takes minutes on a
+# host that emulates guest ring 0, so they are a target of their own. Two boots at a time
+# (one per core); LINUX_TEST_THREADS changes it.
+LINUX_TEST_THREADS ?= 2
+test-linux: deps guests linux check-kvm
+	$(CARGO) build --workspace
+	@set -o pipefail; \
+	FERROVM_LINUX=$(CURDIR)/$(LINUX_DIR) FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) \
+		$(CARGO) test -p ferrovm --test linux -- --ignored --test-threads=$(LINUX_TEST_THREADS) 2>&1 \
+		| tee target/test-linux.log
 
 # Coverage-guided fuzzing (not part of `make test`): each target of fuzz/ for FUZZ_SECONDS
 # (default 60) with AFL++, installing cargo-afl when missing. FUZZ_TARGETS picks targets,

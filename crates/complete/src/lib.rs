@@ -119,13 +119,16 @@ impl Completer {
         fetched: &[u8],
     ) -> std::result::Result<(), Refusal> {
         let mut ctx = Context::load(vcpu, ram).map_err(|e| refusal_without_text(0, &e))?;
-        let bytes = match fetched {
-            [] => ctx
+        let mut bytes = fetched.to_vec();
+        let mut insn = decode(&bytes, ctx.bitness(), ctx.regs.rip);
+        if insn.is_invalid() {
+            // The kernel's fetch stops at a page boundary on some hosts: fetch again through
+            // the guest's page tables, which reach the next page.
+            bytes = ctx
                 .fetch_instruction()
-                .map_err(|e| refusal_without_text(ctx.regs.rip, &e))?,
-            b => b.to_vec(),
-        };
-        let insn = decode(&bytes, ctx.bitness(), ctx.regs.rip);
+                .map_err(|e| refusal_without_text(ctx.regs.rip, &e))?;
+            insn = decode(&bytes, ctx.bitness(), ctx.regs.rip);
+        }
         let refuse = |reason: String| refusal(&insn, &bytes, reason);
         if insn.is_invalid() {
             return Err(refuse("not a valid instruction".into()));

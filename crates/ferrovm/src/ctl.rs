@@ -257,6 +257,15 @@ fn print_human(request: &CtlRequest, v: &Value) {
             if dropped > 0 {
                 println!("serial:  {dropped} bytes of output dropped (nobody read them)");
             }
+            if let Some(counts) = v["instruction_completions"].as_object() {
+                let list: Vec<String> = counts
+                    .iter()
+                    .map(|(name, n)| format!("{name} {n}"))
+                    .collect();
+                if !list.is_empty() {
+                    println!("completed: {}", printable(&list.join(", ")));
+                }
+            }
             if let Some(m) = v.get("migration").filter(|m| !m.is_null()) {
                 println!("migration: {}", printable(&m.to_string()));
             }

@@ -172,6 +172,8 @@ pub struct Api {
     pub serial: Option<Arc<devices::output::OutputQueue>>,
     /// The i8042, whose keyboard presses Ctrl+Alt+Del for `SendCtrlAltDel`.
     pub keyboard: Option<Arc<Mutex<devices::i8042::I8042>>>,
+    /// The instruction completer, for its counts.
+    pub completer: Option<Arc<complete::Completer>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -200,6 +202,7 @@ impl Api {
             migration: Mutex::new(None),
             serial: None,
             keyboard: None,
+            completer: None,
         }
     }
 
@@ -229,6 +232,11 @@ impl Api {
             irqchip: self.info.irqchip.into(),
             migration: self.progress(),
             serial_dropped_bytes: self.serial.as_ref().map_or(0, |q| q.dropped()),
+            instruction_completions: self
+                .completer
+                .as_ref()
+                .map(|c| c.counts())
+                .unwrap_or_default(),
         }
     }
 

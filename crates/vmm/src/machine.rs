@@ -645,6 +645,7 @@ impl Machine {
         let mut api = Api::new(supervisor.clone(), self.context.exit.clone(), info);
         api.serial = self.serial_queue();
         api.keyboard = self.keyboard.clone();
+        api.completer = Some(self.context.completer.clone());
         Arc::new(api)
     }
 

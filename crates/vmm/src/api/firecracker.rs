@@ -160,6 +160,7 @@ impl PreBoot {
             irqchip: self.base.irqchip.name().into(),
             migration: None,
             serial_dropped_bytes: 0,
+            instruction_completions: Default::default(),
         }
     }
 

@@ -33,6 +33,10 @@ pub struct VmInfo {
     pub migration: Option<MigrationProgress>,
     /// Guest console output dropped because nobody read it.
     pub serial_dropped_bytes: u64,
+    /// Instructions the kernel's emulator rejected and ferrovm completed, by mnemonic
+    /// (empty on hosts that run guest ring 0 in hardware).
+    #[serde(default)]
+    pub instruction_completions: std::collections::BTreeMap<String, u64>,
 }
 
 /// `GET /api/v1/vmm.ping`.
