@@ -70,6 +70,17 @@ fn ipi_between_every_pair_and_broadcast() {
     }
 }
 
+/// NMI IPIs reach every AP, in ring 3 and in ring 0 with interrupts off: Linux's RCU
+/// stall reports and all-CPU backtraces depend on them (docs/linux-guest.md, "Two vCPUs").
+#[test]
+fn nmi_ipis_reach_every_ap() {
+    for run in passes_everywhere("nmi", &[]) {
+        if !run.stdout.contains("nmi: 1 CPUs") {
+            run.expect_stdout("nmi: cpu 1 got 8/8 (ring 3) 8/8 (ring 0, IF=0)");
+        }
+    }
+}
+
 #[test]
 fn ioapic_routes_to_the_programmed_vcpu() {
     passes_everywhere("ioapic-route", &[]);
