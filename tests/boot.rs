@@ -173,6 +173,36 @@ fn bad_options_are_refused_with_one_line() {
     bad_run(&["frobnicate"]).expect_error("frobnicate");
 }
 
+/// An ELF marked EM_386 (32-bit x86) used to boot through its PVH note as if it were x86-64.
+/// Only a Multiboot kernel, entered in 32-bit protected mode, may be 32-bit x86: the same
+/// guest with a Multiboot header and no PVH note boots.
+#[test]
+fn an_elf_for_32_bit_x86_is_refused_unless_multiboot() {
+    let dir = tempdir();
+    let as_i386 = |variant: &str| {
+        let path = guest("hello")
+            .parent()
+            .unwrap()
+            .join(variant)
+            .join("hello.elf");
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[18..20].copy_from_slice(&3u16.to_le_bytes()); // e_machine = EM_386
+        let out = dir.join(format!("{variant}-i386.elf"));
+        std::fs::write(&out, &bytes).unwrap();
+        out
+    };
+    let pvh = as_i386("pvh-only");
+    bad_run(&["run", "--kernel", pvh.to_str().unwrap()])
+        .expect_error("pvh-only-i386.elf")
+        .expect_error("e_machine 3 (32-bit x86), not x86-64 (62)");
+    let multiboot = as_i386("multiboot-only");
+    let run = ferrovm(
+        &["run", "--kernel", multiboot.to_str().unwrap()],
+        Duration::from_secs(120),
+    );
+    run.expect_status(0).expect_stdout("boot: multiboot");
+}
+
 /// Sizes and counts are parsed strictly and checked up front: `--memory 512B` used to mean
 /// 512 MiB, `--initrd /dev/zero` was read as an empty initrd, and more vCPUs than the
 /// firmware tables can describe were accepted.
