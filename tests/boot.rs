@@ -203,6 +203,42 @@ fn an_elf_for_32_bit_x86_is_refused_unless_multiboot() {
     run.expect_status(0).expect_stdout("boot: multiboot");
 }
 
+/// Options of the form `KEY=VALUE,...` refuse a key given twice (the last one used to win
+/// silently), naming the key.
+#[test]
+fn a_key_given_twice_is_refused() {
+    let kernel = guest("hello");
+    let k = kernel.to_str().unwrap();
+    let dir = tempdir();
+    let image = dir.join("twice.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let i = image.to_str().unwrap();
+    let socket = dir.join("v.sock");
+    let s = socket.to_str().unwrap();
+    for (option, value, key) in [
+        ("--disk", format!("{i},cache=none,cache=writeback"), "cache"),
+        ("--disk", format!("{i},serial=a,serial=b"), "serial"),
+        ("--disk", format!("{i},queues=1,queues=2"), "queues"),
+        ("--disk", format!("{i},readonly,ro"), "readonly"),
+        ("--net", "tap=t0,tap=t1".to_string(), "tap"),
+        (
+            "--net",
+            "tap=t0,mac=02:00:00:00:00:01,mac=02:00:00:00:00:02".to_string(),
+            "mac",
+        ),
+        ("--vsock", format!("cid=3,cid=4,socket={s}"), "cid"),
+        ("--vsock", format!("cid=3,socket={s},socket={s}"), "socket"),
+    ] {
+        bad_run(&["run", "--kernel", k, option, &value])
+            .expect_error(&format!("{option} {value}"))
+            .expect_error(&format!("{key} is given twice"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Sizes and counts are parsed strictly and checked up front: `--memory 512B` used to mean
 /// 512 MiB, `--initrd /dev/zero` was read as an empty initrd, and more vCPUs than the
 /// firmware tables can describe were accepted.

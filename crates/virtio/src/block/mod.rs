@@ -33,7 +33,7 @@ use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{Immutable, IntoBytes, KnownLayout};
 
 pub use image::{DiskImage, ImageError, ImageErrorKind, ImageKind, SECTOR_SIZE};
-pub use options::{BlockOptions, CacheMode, MAX_QUEUES, MAX_SERIAL_LEN};
+pub use options::{repeated_key, BlockOptions, CacheMode, MAX_QUEUES, MAX_SERIAL_LEN};
 use request::{BlockHandler, MAX_RANGE_SECTORS, MAX_RANGE_SEGMENTS};
 
 use crate::worker::Workers;

@@ -110,6 +110,27 @@ impl BlockOptions {
     }
 }
 
+/// The first key given twice in the items of a `KEY=VALUE,FLAG,...` option, if any (the
+/// last one would win silently). `aliases` name spellings of one key: `("ro", "readonly")`.
+pub fn repeated_key<'a>(
+    items: impl IntoIterator<Item = &'a str>,
+    aliases: &[(&str, &'a str)],
+) -> Option<&'a str> {
+    let mut seen: Vec<&str> = Vec::new();
+    for item in items {
+        let key = item.split_once('=').map_or(item, |(key, _)| key);
+        let key = aliases
+            .iter()
+            .find(|(alias, _)| *alias == key)
+            .map_or(key, |(_, canonical)| *canonical);
+        if seen.contains(&key) {
+            return Some(key);
+        }
+        seen.push(key);
+    }
+    None
+}
+
 impl FromStr for BlockOptions {
     type Err = String;
 
@@ -117,6 +138,9 @@ impl FromStr for BlockOptions {
     fn from_str(s: &str) -> Result<Self, String> {
         let mut items = s.split(',');
         let path = items.next().unwrap_or_default();
+        if let Some(key) = repeated_key(items.clone(), &[]) {
+            return Err(format!("disk option {key} is given twice"));
+        }
         let mut options = BlockOptions::new(path);
         for item in items {
             options.apply(item)?;
@@ -156,6 +180,9 @@ mod tests {
             "/img,queues=x",
             "/img,serial=123456789012345678901",
             "/img,bogus",
+            "/img,cache=none,cache=writeback",
+            "/img,serial=a,serial=b",
+            "/img,readonly,readonly",
         ] {
             assert!(bad.parse::<BlockOptions>().is_err(), "{bad} accepted");
         }
