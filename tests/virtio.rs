@@ -934,12 +934,15 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
     source.ctl(&["snapshot", s(&snap)]).expect_status(0);
     // The image is not in the snapshot: the source resumes after it and must not get far
     // (a whole round would overwrite sectors the restored guest still has to read back).
+    // What it writes meanwhile the restored guest writes again, so the restores below allow
+    // the changed image (a_disk_written_after_the_snapshot_is_refused: the default).
     source.kill();
     let source_last = last_round(&source.output());
     assert!(!source.output().contains("FAIL"), "{}", source.output());
 
     let restore = |extra: &[&str]| {
         let mut args = vec!["run", "--restore", s(&snap), "--serial", "none"];
+        args.extend_from_slice(&["--restore-allow-changed-disks"]);
         args.extend_from_slice(extra);
         ferrovm(&args, Duration::from_secs(60))
     };
@@ -953,7 +956,12 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
     restore(&["--disk", &disk(&image, ",queues=2,readonly")]).expect_error("disk 0 writable");
 
     // No --disk: the disk comes back from the snapshot's record, at the image's path.
-    let mut restored = Vm::start(&["--restore", s(&snap)], &dir, "restored", true);
+    let mut restored = Vm::start(
+        &["--restore", s(&snap), "--restore-allow-changed-disks"],
+        &dir,
+        "restored",
+        true,
+    );
     // Past every round the source reached, so the image holds only the restored guest's
     // latest two generations.
     restored.wait_for_round(source_last + 2, "the restored guest's rounds");
@@ -970,6 +978,59 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
     assert_eq!(status, Some(0));
     assert!(!restored.output().contains("FAIL"), "{}", restored.output());
     stress_check(&image, "");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A restore used to accept a disk written after the snapshot (only its size was checked):
+/// the guest then ran on a disk newer than its memory. The snapshot records the image file
+/// as it was; a restore refuses an image written since with one line naming it, unless
+/// `--restore-allow-changed-disks`. A snapshot of a paused guest, whose image nothing writes
+/// afterwards, restores and runs on.
+#[test]
+fn a_disk_written_after_the_snapshot_is_refused() {
+    let dir = scratch("changed-disk");
+    let image = sparse_image(&dir, "disk.img");
+    let mut source = Vm::stress(&disk(&image, ",queues=2"), &dir, "source");
+    source.wait_for_round(1, "the source's first round");
+    let stale = dir.join("stale.snap");
+    source.ctl(&["snapshot", s(&stale)]).expect_status(0);
+    let at_snapshot = last_round(&source.output());
+    // A whole round after the snapshot: the image holds writes the snapshot's guest never made.
+    source.wait_for_round(at_snapshot + 2, "rounds after the snapshot");
+    source.ctl(&["pause"]).expect_status(0);
+    let kept = dir.join("kept.snap");
+    source.ctl(&["snapshot", s(&kept)]).expect_status(0);
+    source.kill();
+
+    let refused = ferrovm(
+        &["run", "--restore", s(&stale), "--serial", "none"],
+        Duration::from_secs(60),
+    );
+    refused
+        .expect_error(&format!("disk {} is not the image the snapshot", s(&image)))
+        .expect_error("written since")
+        .expect_error("--restore-allow-changed-disks");
+    let mut restored = Vm::start(&["--restore", s(&kept)], &dir, "restored", true);
+    restored.ctl(&["resume"]).expect_status(0);
+    let resumed_at = last_round(&source.output());
+    restored.wait_for_round(resumed_at + 1, "the restored guest's rounds");
+    restored.ctl(&["shutdown"]).expect_status(0);
+    let (status, _) = restored.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0));
+    stress_check(&image, "");
+    // The operator's choice: it runs (and the guest may well find what it did not write).
+    let mut forced = Vm::start(
+        &["--restore", s(&stale), "--restore-allow-changed-disks"],
+        &dir,
+        "forced",
+        true,
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    match forced.child.try_wait().unwrap() {
+        None => drop(forced.ctl(&["status"]).expect_status(0)),
+        Some(status) => assert_ne!(status.code(), Some(2), "{}", forced.stderr()),
+    }
+    drop(forced);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

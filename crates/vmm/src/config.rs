@@ -152,6 +152,9 @@ pub struct VmConfig {
     /// `--restore-eager`: copy a snapshot's pages into guest RAM before the guest runs,
     /// instead of mapping the file.
     pub restore_eager: bool,
+    /// `--restore-allow-changed-disks`: restore even onto disk images changed since the
+    /// snapshot.
+    pub restore_allow_changed_disks: bool,
     /// `--seccomp`: what the threads' system call filters do with a forbidden call.
     pub seccomp: sandbox::Mode,
     /// `--firmware`: the ROM of a firmware boot, or of the machine an incoming migration
@@ -185,6 +188,7 @@ impl VmConfig {
             api_socket: None,
             restore_verify: false,
             restore_eager: false,
+            restore_allow_changed_disks: false,
             seccomp: sandbox::Mode::platform_default(),
             disks: Vec::new(),
             console: ConsoleConfig::Serial,

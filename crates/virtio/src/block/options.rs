@@ -53,6 +53,9 @@ pub struct BlockOptions {
     /// Open the image without its lock, which [`crate::VirtioDevice::take_over`] takes later:
     /// a migration destination, whose source holds the lock until the hand-over.
     pub defer_lock: bool,
+    /// Restoring a snapshot: refuse an image file whose [`super::ImageStamp`] differs from
+    /// the one the snapshot recorded (the guest's memory would not match its disk).
+    pub expect_unchanged: bool,
 }
 
 impl BlockOptions {
@@ -65,6 +68,7 @@ impl BlockOptions {
             cache: CacheMode::Writeback,
             queues: 1,
             defer_lock: false,
+            expect_unchanged: false,
         }
     }
 
