@@ -731,12 +731,12 @@ fn an_unconfigured_vmm_waits_and_ends_on_sigterm() {
             .contains("/nonexistent/kernel"),
         "{reply}"
     );
-    let bad_mac =
-        Some(r#"{"iface_id":"eth0","host_dev_name":"tap0","guest_mac":"02:00:00:00:01"}"#);
-    assert_eq!(
-        api(&socket, "PUT", "/network-interfaces/eth0", bad_mac).0,
-        400
-    );
+    for mac in ["02:00:00:00:01", "00:00:00:00:00:00", "01:00:5e:00:00:01"] {
+        let bad_mac =
+            format!(r#"{{"iface_id":"eth0","host_dev_name":"tap0","guest_mac":"{mac}"}}"#);
+        let (status, reply) = api(&socket, "PUT", "/network-interfaces/eth0", Some(&bad_mac));
+        assert_eq!(status, 400, "{mac}: {reply}");
+    }
     let net = Some(r#"{"iface_id":"eth0","host_dev_name":"tap0","guest_mac":"02:00:00:00:00:01"}"#);
     assert_eq!(api(&socket, "PUT", "/network-interfaces/eth0", net).0, 204);
     let host_cid = Some(r#"{"guest_cid":2,"uds_path":"/tmp/v.sock"}"#);

@@ -173,6 +173,72 @@ fn bad_options_are_refused_with_one_line() {
     bad_run(&["frobnicate"]).expect_error("frobnicate");
 }
 
+/// An ELF marked EM_386 (32-bit x86) used to boot through its PVH note as if it were x86-64.
+/// Only a Multiboot kernel, entered in 32-bit protected mode, may be 32-bit x86: the same
+/// guest with a Multiboot header and no PVH note boots.
+#[test]
+fn an_elf_for_32_bit_x86_is_refused_unless_multiboot() {
+    let dir = tempdir();
+    let as_i386 = |variant: &str| {
+        let path = guest("hello")
+            .parent()
+            .unwrap()
+            .join(variant)
+            .join("hello.elf");
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[18..20].copy_from_slice(&3u16.to_le_bytes()); // e_machine = EM_386
+        let out = dir.join(format!("{variant}-i386.elf"));
+        std::fs::write(&out, &bytes).unwrap();
+        out
+    };
+    let pvh = as_i386("pvh-only");
+    bad_run(&["run", "--kernel", pvh.to_str().unwrap()])
+        .expect_error("pvh-only-i386.elf")
+        .expect_error("e_machine 3 (32-bit x86), not x86-64 (62)");
+    let multiboot = as_i386("multiboot-only");
+    let run = ferrovm(
+        &["run", "--kernel", multiboot.to_str().unwrap()],
+        Duration::from_secs(120),
+    );
+    run.expect_status(0).expect_stdout("boot: multiboot");
+}
+
+/// Options of the form `KEY=VALUE,...` refuse a key given twice (the last one used to win
+/// silently), naming the key.
+#[test]
+fn a_key_given_twice_is_refused() {
+    let kernel = guest("hello");
+    let k = kernel.to_str().unwrap();
+    let dir = tempdir();
+    let image = dir.join("twice.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let i = image.to_str().unwrap();
+    let socket = dir.join("v.sock");
+    let s = socket.to_str().unwrap();
+    for (option, value, key) in [
+        ("--disk", format!("{i},cache=none,cache=writeback"), "cache"),
+        ("--disk", format!("{i},serial=a,serial=b"), "serial"),
+        ("--disk", format!("{i},queues=1,queues=2"), "queues"),
+        ("--disk", format!("{i},readonly,ro"), "readonly"),
+        ("--net", "tap=t0,tap=t1".to_string(), "tap"),
+        (
+            "--net",
+            "tap=t0,mac=02:00:00:00:00:01,mac=02:00:00:00:00:02".to_string(),
+            "mac",
+        ),
+        ("--vsock", format!("cid=3,cid=4,socket={s}"), "cid"),
+        ("--vsock", format!("cid=3,socket={s},socket={s}"), "socket"),
+    ] {
+        bad_run(&["run", "--kernel", k, option, &value])
+            .expect_error(&format!("{option} {value}"))
+            .expect_error(&format!("{key} is given twice"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Sizes and counts are parsed strictly and checked up front: `--memory 512B` used to mean
 /// 512 MiB, `--initrd /dev/zero` was read as an empty initrd, and more vCPUs than the
 /// firmware tables can describe were accepted.

@@ -146,6 +146,50 @@ fn bad_firmware_is_refused_with_one_line() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--firmware` on a FIFO used to wait in open(2) for a writer for ever; like every other
+/// path option it refuses anything but a regular file at once, naming what is there.
+#[test]
+fn firmware_that_is_not_a_regular_file_is_refused_at_once() {
+    let disk = image("bootsect.img");
+    let dir = scratch("fifo");
+    let fifo = dir.join("bios.fifo");
+    let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    for (path, kind) in [
+        (fifo.as_path(), "a FIFO"),
+        (Path::new("/dev/zero"), "a device node"),
+    ] {
+        let run = ferrovm(
+            &["run", "--firmware", path.to_str().unwrap(), "--disk", &disk],
+            Duration::from_secs(30),
+        );
+        run.expect_error("--firmware").expect_error(kind);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A 64 KiB ROM (the smallest `--firmware` accepts) used to panic copying 128 KiB of it below
+/// 1 MiB. As a 64 KiB BIOS on a PC, it appears whole at 0xf0000: this one far-jumps from the
+/// reset vector to F000:FF80, which holds its code only if the copy is there, and exits
+/// through the debug-exit port.
+#[test]
+fn a_64_kib_rom_runs_from_its_copy_below_1_mib() {
+    require_kvm();
+    let disk = image("bootsect.img");
+    let dir = scratch("rom64k");
+    let mut rom = vec![0xf4u8; 64 << 10]; // hlt
+                                          // mov al, 0x2a; out 0xf4, al
+    rom[0xff80..0xff84].copy_from_slice(&[0xb0, 0x2a, 0xe6, 0xf4]);
+    // jmp far f000:ff80
+    rom[0xfff0..0xfff5].copy_from_slice(&[0xea, 0x80, 0xff, 0x00, 0xf0]);
+    let path = dir.join("rom64k.bin");
+    std::fs::write(&path, &rom).unwrap();
+    let run = boot(&disk, &["--firmware", path.to_str().unwrap()]);
+    run.expect_status((0x2a << 1) | 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A ferrovm process with its serial output in a file and an API socket.
 struct Vm {
     child: Child,

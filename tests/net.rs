@@ -443,6 +443,8 @@ fn bad_net_options_are_refused() {
         ("tap=", "tap=NAME: 1 to 15 bytes"),
         ("tap=t,queues=0", "queues=0: expected 1 to 16"),
         ("tap=t,mac=01:00:00:00:00:01", "mac=01:00:00:00:00:01"),
+        ("tap=t,mac=ff:ff:ff:ff:ff:ff", "mac=ff:ff:ff:ff:ff:ff"),
+        ("tap=t,mac=00:00:00:00:00:00", "mac=00:00:00:00:00:00"),
         ("tap=t,vhost=on", "vhost=on"),
         ("tap=t,iothreads=0", "iothreads=0: expected 1 to 16"),
         ("tap=t,bogus", "unknown net option"),

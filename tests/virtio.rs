@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::relay::*;
 use common::*;
 
 /// Every test image: 16 MiB, sparse.
@@ -681,6 +682,16 @@ impl Vm {
         err
     }
 
+    /// Shuts the VM down (status 0, no failure from its blk-stress guest), then checks the
+    /// guest's `image` from a second VM.
+    fn shut_down_intact(&mut self, image: &Path) {
+        self.ctl(&["shutdown"]).expect_status(0);
+        let (status, _) = self.wait(Duration::from_secs(30));
+        assert_eq!(status, Some(0));
+        assert!(!self.output().contains("FAIL"), "{}", self.output());
+        stress_check(image, "");
+    }
+
     /// Waits for the VMM to exit: its status and what it wrote on stderr.
     fn wait(&mut self, limit: Duration) -> (Option<i32>, String) {
         let start = Instant::now();
@@ -934,12 +945,15 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
     source.ctl(&["snapshot", s(&snap)]).expect_status(0);
     // The image is not in the snapshot: the source resumes after it and must not get far
     // (a whole round would overwrite sectors the restored guest still has to read back).
+    // What it writes meanwhile the restored guest writes again, so the restores below allow
+    // the changed image (a_disk_written_after_the_snapshot_is_refused: the default).
     source.kill();
     let source_last = last_round(&source.output());
     assert!(!source.output().contains("FAIL"), "{}", source.output());
 
     let restore = |extra: &[&str]| {
         let mut args = vec!["run", "--restore", s(&snap), "--serial", "none"];
+        args.extend_from_slice(&["--restore-allow-changed-disks"]);
         args.extend_from_slice(extra);
         ferrovm(&args, Duration::from_secs(60))
     };
@@ -953,7 +967,12 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
     restore(&["--disk", &disk(&image, ",queues=2,readonly")]).expect_error("disk 0 writable");
 
     // No --disk: the disk comes back from the snapshot's record, at the image's path.
-    let mut restored = Vm::start(&["--restore", s(&snap)], &dir, "restored", true);
+    let mut restored = Vm::start(
+        &["--restore", s(&snap), "--restore-allow-changed-disks"],
+        &dir,
+        "restored",
+        true,
+    );
     // Past every round the source reached, so the image holds only the restored guest's
     // latest two generations.
     restored.wait_for_round(source_last + 2, "the restored guest's rounds");
@@ -965,11 +984,57 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
         "the restored guest's first round is {first}; the snapshot was taken after round \
          {before} (the source reached {source_last})"
     );
-    restored.ctl(&["shutdown"]).expect_status(0);
-    let (status, _) = restored.wait(Duration::from_secs(30));
-    assert_eq!(status, Some(0));
-    assert!(!restored.output().contains("FAIL"), "{}", restored.output());
-    stress_check(&image, "");
+    restored.shut_down_intact(&image);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A restore used to accept a disk written after the snapshot (only its size was checked):
+/// the guest then ran on a disk newer than its memory. The snapshot records the image file
+/// as it was; a restore refuses an image written since with one line naming it, unless
+/// `--restore-allow-changed-disks`. A snapshot of a paused guest, whose image nothing writes
+/// afterwards, restores and runs on.
+#[test]
+fn a_disk_written_after_the_snapshot_is_refused() {
+    let dir = scratch("changed-disk");
+    let image = sparse_image(&dir, "disk.img");
+    let mut source = Vm::stress(&disk(&image, ",queues=2"), &dir, "source");
+    source.wait_for_round(1, "the source's first round");
+    let stale = dir.join("stale.snap");
+    source.ctl(&["snapshot", s(&stale)]).expect_status(0);
+    let at_snapshot = last_round(&source.output());
+    // A whole round after the snapshot: the image holds writes the snapshot's guest never made.
+    source.wait_for_round(at_snapshot + 2, "rounds after the snapshot");
+    source.ctl(&["pause"]).expect_status(0);
+    let kept = dir.join("kept.snap");
+    source.ctl(&["snapshot", s(&kept)]).expect_status(0);
+    source.kill();
+
+    let refused = ferrovm(
+        &["run", "--restore", s(&stale), "--serial", "none"],
+        Duration::from_secs(60),
+    );
+    refused
+        .expect_error(&format!("disk {} is not the image the snapshot", s(&image)))
+        .expect_error("written since")
+        .expect_error("--restore-allow-changed-disks");
+    let mut restored = Vm::start(&["--restore", s(&kept)], &dir, "restored", true);
+    restored.ctl(&["resume"]).expect_status(0);
+    let resumed_at = last_round(&source.output());
+    restored.wait_for_round(resumed_at + 1, "the restored guest's rounds");
+    restored.shut_down_intact(&image);
+    // The operator's choice: it runs (and the guest may well find what it did not write).
+    let mut forced = Vm::start(
+        &["--restore", s(&stale), "--restore-allow-changed-disks"],
+        &dir,
+        "forced",
+        true,
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    match forced.child.try_wait().unwrap() {
+        None => drop(forced.ctl(&["status"]).expect_status(0)),
+        Some(status) => assert_ne!(status.code(), Some(2), "{}", forced.stderr()),
+    }
+    drop(forced);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -1017,11 +1082,88 @@ fn migrate_stress(dir: &Path, image: &Path, source_disk: &str, dest_disk: &str) 
         "{}",
         dest.output()
     );
-    dest.ctl(&["shutdown"]).expect_status(0);
-    let (status, _) = dest.wait(Duration::from_secs(30));
-    assert_eq!(status, Some(0));
-    assert!(!dest.output().contains("FAIL"), "{}", dest.output());
-    stress_check(image, "");
+    dest.shut_down_intact(image);
+}
+
+/// A blk-stress source (2 vCPUs, 2 queues on `image`) and a destination waiting on the same
+/// image; the source has finished a round.
+fn stress_pair(dir: &Path, image: &Path) -> (Vm, Vm, u16) {
+    let both = disk(image, ",queues=2");
+    let port = free_port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest = Vm::start(
+        &["--incoming", &listen, "--cpus", "2", "--disk", &both],
+        dir,
+        "dest",
+        true,
+    );
+    let mut source = Vm::stress(&both, dir, "source");
+    source.wait_for_round(1, "the source's first round");
+    (source, dest, port)
+}
+
+/// Migrates `source` through a relay on `relay`: the outcome must be unknown.
+fn migrate_into_the_unknown(source: &Vm, relay: u16) {
+    let run = source.ctl(&["migrate", &format!("tcp:127.0.0.1:{relay}")]);
+    assert_eq!(run.status, Some(2), "{}", run.stdout);
+    assert!(run.stderr.contains("outcome unknown"), "{}", run.stderr);
+    source
+        .ctl(&["status"])
+        .expect_stdout("migration-outcome-unknown");
+}
+
+/// `ctl resume --force` after a migration of unknown outcome used to resume only the vCPUs:
+/// the devices paused for the final phase stayed paused, and the guest's next batch never
+/// completed. Here every connection is cut as the source sends its End frame; the forced
+/// resume brings the whole machine back, says so, and the guest's rounds go on with the image
+/// locked by the source.
+#[test]
+fn a_forced_resume_after_an_unknown_outcome_brings_the_devices_back() {
+    let dir = scratch("forced-resume");
+    let image = sparse_image(&dir, "disk.img");
+    let (mut source, _dest, port) = stress_pair(&dir, &image);
+    let relay = relay_nth(Fault::CutAtPhase(Phase::End, Ways::Both), 0, port);
+    migrate_into_the_unknown(&source, relay);
+    let at = last_round(&source.output());
+    let resumed = source.ctl(&["resume", "--force"]);
+    resumed.expect_status(0);
+    source.wait_for_round(at + 2, "rounds after the forced resume");
+    resumed
+        .expect_stdout("running")
+        .expect_stdout("disk locks were taken back, its devices and timers resumed");
+    let second = run_guest("blk-rw", &["--disk", s(&image)]);
+    second.expect_error("locked by another process");
+    source.shut_down_intact(&image);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// After the hand-over, with the final `Ack` lost, the destination holds the image's lock and
+/// runs the guest: a forced resume is refused with one line naming the image, and the source
+/// stays paused. Once the destination is gone, the forced resume takes the lock back (a second
+/// VMM can no longer open the image writable, as it could before).
+#[test]
+fn a_forced_resume_takes_the_disk_locks_back_or_says_why_not() {
+    let dir = scratch("forced-locks");
+    let image = sparse_image(&dir, "disk.img");
+    let (source, mut dest, port) = stress_pair(&dir, &image);
+    migrate_into_the_unknown(&source, ack_swallowing_relay(port));
+    let refused = source.ctl(&["resume", "--force"]);
+    refused
+        .expect_error("cannot take the guest back")
+        .expect_error(s(&image))
+        .expect_error("locked by another process");
+    source
+        .ctl(&["status"])
+        .expect_stdout("migration-outcome-unknown");
+    dest.kill();
+    source
+        .ctl(&["resume", "--force"])
+        .expect_status(0)
+        .expect_stdout("disk locks were taken back");
+    let second = run_guest("blk-rw", &["--disk", s(&image)]);
+    second.expect_error("locked by another process");
+    source.ctl(&["shutdown"]).expect_status(0);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A loop device over an image, detached when dropped.

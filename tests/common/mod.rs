@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod relay;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};

@@ -10,8 +10,8 @@ use crate::loader::{read_at, LoadError};
 
 pub(crate) const PT_LOAD: u32 = 1;
 pub(crate) const PT_NOTE: u32 = 4;
-const EM_386: u16 = 3;
-const EM_X86_64: u16 = 62;
+pub(crate) const EM_386: u16 = 3;
+pub(crate) const EM_X86_64: u16 = 62;
 const ET_EXEC: u16 = 2;
 const ET_DYN: u16 = 3;
 /// XEN_ELFNOTE_PHYS32_ENTRY: the 32-bit physical PVH entry point.
@@ -36,11 +36,18 @@ pub(crate) struct ProgramHeader {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct ElfImage {
     pub is_64: bool,
+    /// e_machine: [`EM_386`] or [`EM_X86_64`].
+    pub machine: u16,
     pub entry: u64,
     pub phdrs: Vec<ProgramHeader>,
 }
 
 impl ElfImage {
+    /// True for x86-64 code; false for 32-bit x86, which only a Multiboot kernel may be.
+    pub(crate) fn is_x86_64(&self) -> bool {
+        self.machine == EM_X86_64
+    }
+
     pub(crate) fn loads(&self) -> impl Iterator<Item = &ProgramHeader> {
         self.phdrs.iter().filter(|p| p.p_type == PT_LOAD)
     }
@@ -197,6 +204,7 @@ pub(crate) fn parse<R: Read + Seek + ?Sized>(
     }
     Ok(ElfImage {
         is_64,
+        machine,
         entry,
         phdrs,
     })

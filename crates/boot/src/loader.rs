@@ -196,6 +196,12 @@ pub enum LoadError {
         /// The e_machine value.
         machine: u16,
     },
+    /// A 32-bit x86 ELF file that is not a Multiboot kernel.
+    #[error("ELF e_machine {machine} (32-bit x86), not x86-64 (62): only a Multiboot kernel may be 32-bit x86, and this file has no Multiboot header")]
+    NotX86_64 {
+        /// The e_machine value.
+        machine: u16,
+    },
     /// A segment's file data lies past the end of the file.
     #[error("segment {index}: file data at offset {offset:#x} ({filesz:#x} bytes) extends past the end of the file ({file_len:#x} bytes)")]
     SegmentBeyondFile {
@@ -726,11 +732,20 @@ where
 
     if elf::is_elf(&head) {
         let image = elf::parse(kernel, file_len)?;
-        if let Some(entry) = elf::find_pvh_entry(kernel, file_len, &image)? {
-            return load_pvh(mem, kernel, file_len, &image, entry, initrd, config);
+        // A PVH entry is an x86-64 kernel's; 32-bit x86 code runs only as a Multiboot
+        // kernel, entered in the 32-bit protected mode it expects.
+        if image.is_x86_64() {
+            if let Some(entry) = elf::find_pvh_entry(kernel, file_len, &image)? {
+                return load_pvh(mem, kernel, file_len, &image, entry, initrd, config);
+            }
         }
         if let Some(header) = multiboot::find_header(&head)? {
             return load_multiboot_elf(mem, kernel, file_len, &image, &header, initrd, config);
+        }
+        if !image.is_x86_64() {
+            return Err(LoadError::NotX86_64 {
+                machine: image.machine,
+            });
         }
         return Err(LoadError::NotRecognised(
             "ELF file without a PVH note (XEN_ELFNOTE_PHYS32_ENTRY) or a Multiboot header",

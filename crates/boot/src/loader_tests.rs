@@ -77,6 +77,8 @@ fn check_gdt_and_common(mem: &GuestMemoryMmap, be: &BootEntry) {
 fn pvh_spec(is_64: bool) -> ElfSpec {
     ElfSpec {
         is_64,
+        // PVH kernels are x86-64, whatever their class.
+        machine: 62,
         entry: 0xffff_ffff_8100_0000, // a virtual e_entry: PVH uses the note
         notes: Some(pvh_note(0x10_0010)),
         segments: vec![
@@ -196,6 +198,25 @@ fn pvh_wins_over_multiboot() {
     let be = load(&mem, elf_image(&spec), "", None, MEM).unwrap();
     assert_eq!(be.protocol, BootProtocol::Pvh);
     assert_eq!(be.eax, 0);
+}
+
+/// An EM_386 file used to boot through its PVH note as if it were x86-64: without a
+/// Multiboot header it is refused; with one, it boots as the Multiboot kernel it is.
+#[test]
+fn only_multiboot_kernels_may_be_32_bit_x86() {
+    let mem = guest_mem(MEM);
+    for is_64 in [false, true] {
+        let mut spec = pvh_spec(is_64);
+        spec.machine = 3;
+        let err = load(&mem, elf_image(&spec), "", None, MEM).unwrap_err();
+        assert!(matches!(err, LoadError::NotX86_64 { machine: 3 }), "{err}");
+        let mut data = mb_header(3, None);
+        data.resize(0x1800, 0x90);
+        spec.segments[0].data = data;
+        spec.entry = 0x10_0010;
+        let be = load(&mem, elf_image(&spec), "", None, MEM).unwrap();
+        assert_eq!(be.protocol, BootProtocol::Multiboot);
+    }
 }
 
 fn multiboot_spec(is_64: bool) -> ElfSpec {
@@ -932,6 +953,7 @@ fn overlapping_segments_are_refused() {
     for is_64 in [false, true] {
         let spec = |second: u64| ElfSpec {
             is_64,
+            machine: 62,
             entry: 0x10_0010,
             notes: Some(pvh_note(0x10_0010)),
             segments: vec![

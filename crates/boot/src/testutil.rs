@@ -342,6 +342,7 @@ fn elf_seed(name: &'static str, spec: ElfSpec) -> SeedImage {
 pub fn seed_images() -> Vec<SeedImage> {
     let pvh = |is_64| ElfSpec {
         is_64,
+        machine: 62, // a PVH kernel is x86-64 in either class
         entry: 0xffff_ffff_8100_0000,
         notes: Some(pvh_note(0x10_0010)),
         segments: vec![

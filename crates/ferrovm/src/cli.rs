@@ -137,6 +137,10 @@ pub struct RunArgs {
     /// longer depends on the file).
     #[arg(long, requires = "restore")]
     pub restore_eager: bool,
+    /// With --restore: run the guest even on a disk image changed since the snapshot (by
+    /// default such an image is refused: the guest's memory would not match it).
+    #[arg(long, requires = "restore")]
+    pub restore_allow_changed_disks: bool,
     /// System call filters on every thread (docs/security.md): `kill` stops the VMM with a
     /// message on a forbidden call, `log` lets the kernel log it, `off` installs none
     /// (default kill on x86-64 Linux, off elsewhere; FERROVM_SECCOMP sets the default).
@@ -217,6 +221,7 @@ impl RunArgs {
         config.api_socket = self.api_socket;
         config.restore_verify = restore_verify;
         config.restore_eager = restore_eager;
+        config.restore_allow_changed_disks = self.restore_allow_changed_disks;
         config.disks = disks;
         if let Some(console) = &self.console {
             config.console = parse_console(console)?;

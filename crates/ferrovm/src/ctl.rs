@@ -278,7 +278,12 @@ fn print_human(request: &CtlRequest, v: &Value) {
             v["bytes"].as_u64().unwrap_or(0) as f64 / 1048576.0,
             v["paused_ms"].as_u64().unwrap_or(0),
         ),
-        _ => println!("{}", printable(v["state"].as_str().unwrap_or("ok"))),
+        _ => {
+            println!("{}", printable(v["state"].as_str().unwrap_or("ok")));
+            if let Some(message) = v["message"].as_str() {
+                println!("{}", printable(message));
+            }
+        }
     }
 }
 

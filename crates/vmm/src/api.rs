@@ -43,6 +43,12 @@ pub trait MachineOps: Send + Sync {
         cancel: &MigrationCancel,
         progress: &mut dyn FnMut(Value),
     ) -> Result<Value>;
+    /// Before a paused guest's vCPUs run again: resumes the devices and timers a snapshot or
+    /// a migration left paused with it. With `take_back` (a forced resume after a migration
+    /// of unknown outcome) it first takes back the disk locks the hand-over may have released,
+    /// and fails, with everything left as it was, if one is held elsewhere (the destination:
+    /// it may be running the guest).
+    fn resume_devices(&self, take_back: bool) -> Result<()>;
 }
 
 /// `PUT /api/v1/vm.send-migration`: Cloud Hypervisor's `destination_url` and ferrovm's knobs.
@@ -243,6 +249,7 @@ impl Api {
     fn state_reply(state: RunState) -> StateReply {
         StateReply {
             state: state.name().into(),
+            message: None,
         }
     }
 
@@ -260,7 +267,7 @@ impl Api {
         match request {
             Request::Info => Reply::ok(self.info()),
             Request::Pause => Reply::from_result(sup.pause().map(Self::state_reply)),
-            Request::Resume(r) => Reply::from_result(sup.resume(r.force).map(Self::state_reply)),
+            Request::Resume(r) => Reply::from_result(self.resume(r.force)),
             Request::Shutdown => match sup.shutdown() {
                 Ok(()) => Reply {
                     then_exit: Some(ExitReason::PowerOff),
@@ -284,9 +291,7 @@ impl Api {
             ),
             Request::FcPatchVm(r) => match r.state.as_str() {
                 "Paused" => Reply::from_result(sup.pause().map(Self::state_reply)).or_no_content(),
-                "Resumed" => {
-                    Reply::from_result(sup.resume(false).map(Self::state_reply)).or_no_content()
-                }
+                "Resumed" => Reply::from_result(self.resume(false)).or_no_content(),
                 other => Reply::fault(400, format!("state {other:?}: expected Paused or Resumed")),
             },
             Request::FcSnapshotCreate(r) => firecracker::create_snapshot(&r, |path, link| {
@@ -315,6 +320,16 @@ impl Api {
 
     /// Writes a snapshot at `path`; `link`: a second name to give it (Firecracker's memory
     /// file), replacing only a regular file there.
+    /// Resumes the guest on a migration thread: it may resume devices held since a snapshot,
+    /// or take disk locks back (`force`), the migration role's calls.
+    fn resume(&self, force: bool) -> Result<Value> {
+        on_migration_thread(
+            &self.supervisor,
+            move |sup, _| resume_reply(sup, force),
+            |_| {},
+        )
+    }
+
     fn snapshot(&self, path: PathBuf, link: Option<PathBuf>) -> Result<Value> {
         let work = move |sup: &Supervisor, _: &mut dyn FnMut(Value)| {
             let report = sup.snapshot(&path)?;
@@ -390,6 +405,16 @@ fn link_snapshot(path: &Path, link: &Path) -> Result<()> {
 /// A short name of a request, for error messages: its endpoint's path.
 fn request_name(request: &Request) -> &'static str {
     request::endpoint_of(request)
+}
+
+/// `vm.resume`'s reply: the state, and what a forced resume took back.
+fn resume_reply(sup: &Supervisor, force: bool) -> Result<Value> {
+    let (state, taken_back) = sup.resume_reporting(force)?;
+    let reply = StateReply {
+        message: taken_back.then(|| crate::runstate::TAKEN_BACK.into()),
+        ..Api::state_reply(state)
+    };
+    serde_json::to_value(reply).map_err(|e| Error::Control(e.to_string()))
 }
 
 /// What the migration thread sends back to the API thread that started it.

@@ -152,6 +152,9 @@ pub struct VmConfig {
     /// `--restore-eager`: copy a snapshot's pages into guest RAM before the guest runs,
     /// instead of mapping the file.
     pub restore_eager: bool,
+    /// `--restore-allow-changed-disks`: restore even onto disk images changed since the
+    /// snapshot.
+    pub restore_allow_changed_disks: bool,
     /// `--seccomp`: what the threads' system call filters do with a forbidden call.
     pub seccomp: sandbox::Mode,
     /// `--firmware`: the ROM of a firmware boot, or of the machine an incoming migration
@@ -185,6 +188,7 @@ impl VmConfig {
             api_socket: None,
             restore_verify: false,
             restore_eager: false,
+            restore_allow_changed_disks: false,
             seccomp: sandbox::Mode::platform_default(),
             disks: Vec::new(),
             console: ConsoleConfig::Serial,
@@ -259,6 +263,17 @@ pub fn parse_memory_size(text: &str) -> Result<u64> {
         .ok_or_else(bad)
 }
 
+/// Fails, naming the key, if one of `items` is given twice (the last would win silently).
+fn refuse_repeated_keys<'a>(
+    items: impl IntoIterator<Item = &'a str>,
+    aliases: &[(&str, &'a str)],
+) -> std::result::Result<(), String> {
+    match virtio::block::repeated_key(items, aliases) {
+        Some(key) => Err(format!("{key} is given twice")),
+        None => Ok(()),
+    }
+}
+
 /// Parses one `--disk` value.
 pub fn parse_disk(text: &str) -> Result<DiskConfig> {
     let bad = |reason: String| Error::Option {
@@ -273,6 +288,7 @@ pub fn parse_disk(text: &str) -> Result<DiskConfig> {
             "expected PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]".into(),
         ));
     }
+    refuse_repeated_keys(fields.clone(), &[("ro", "readonly")]).map_err(bad)?;
     let mut disk = DiskConfig {
         path: PathBuf::from(path),
         readonly: false,
@@ -334,6 +350,7 @@ pub fn parse_vsock(text: &str) -> Result<VsockConfig> {
         reason,
     };
     let (mut cid, mut socket) = (None, None);
+    refuse_repeated_keys(text.split(','), &[]).map_err(bad)?;
     for part in text.split(',') {
         match part.split_once('=') {
             Some(("cid", n)) => {
@@ -369,6 +386,7 @@ pub fn parse_net(text: &str) -> Result<NetConfig> {
         vhost: false,
         iothreads: None,
     };
+    refuse_repeated_keys(text.split(','), &[]).map_err(bad)?;
     for field in text.split(',') {
         match field.split_once('=') {
             Some(("tap", name)) if !name.is_empty() && name.len() < 16 => {
@@ -378,7 +396,8 @@ pub fn parse_net(text: &str) -> Result<NetConfig> {
             Some(("mac", mac)) => {
                 net.mac = Some(parse_mac(mac).ok_or_else(|| {
                     bad(format!(
-                        "mac={mac}: expected six hex bytes like 52:54:00:12:34:56, unicast"
+                        "mac={mac}: expected six hex bytes like 52:54:00:12:34:56, unicast, not \
+                         all zeroes"
                     ))
                 })?)
             }
@@ -412,7 +431,8 @@ pub fn parse_net(text: &str) -> Result<NetConfig> {
     Ok(net)
 }
 
-/// A unicast MAC written as six colon-separated hex bytes.
+/// A unicast MAC written as six colon-separated hex bytes; not all zeroes (no station has
+/// that address, and frames to it go nowhere).
 pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];
     let mut parts = text.split(':');
@@ -423,7 +443,7 @@ pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
         }
         *byte = u8::from_str_radix(part, 16).ok()?;
     }
-    (parts.next().is_none() && mac[0] & 1 == 0).then_some(mac)
+    (parts.next().is_none() && mac[0] & 1 == 0 && mac != [0; 6]).then_some(mac)
 }
 
 /// Parses `--console`.
@@ -478,6 +498,28 @@ mod tests {
             let err = parse_vsock(text).unwrap_err().to_string();
             assert!(err.contains(why), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn repeated_keys_and_the_zero_mac_are_refused() {
+        for (err, key) in [
+            (parse_disk("d.img,cache=none,cache=writeback"), "cache"),
+            (parse_disk("d.img,readonly,ro"), "readonly"),
+        ] {
+            assert!(err
+                .unwrap_err()
+                .to_string()
+                .contains(&format!("{key} is given twice")));
+        }
+        let net = parse_net("tap=a,tap=b").unwrap_err().to_string();
+        assert!(net.contains("tap is given twice"), "{net}");
+        let vsock = parse_vsock("cid=3,cid=4,socket=/s")
+            .unwrap_err()
+            .to_string();
+        assert!(vsock.contains("cid is given twice"), "{vsock}");
+        assert_eq!(parse_mac("00:00:00:00:00:00"), None);
+        assert_eq!(parse_mac("ff:ff:ff:ff:ff:ff"), None);
+        assert!(parse_mac("02:00:00:00:00:00").is_some());
     }
 
     #[test]
@@ -559,7 +601,7 @@ mod tests {
             assert!(e.contains("--net"), "{bad}: {e}");
         }
         assert!(parse_net("tap=t,vhost=on").unwrap().vhost);
-        assert!(!parse_net("tap=t,vhost=on,vhost=off").unwrap().vhost);
+        assert!(parse_net("tap=t,vhost=on,vhost=off").is_err());
         assert!(!parse_net("tap=t").unwrap().vhost);
         assert_eq!(parse_net("tap=t,iothreads=3").unwrap().iothreads, Some(3));
         assert_eq!(parse_net("tap=t").unwrap().iothreads, None);

@@ -9,8 +9,8 @@
 //! - guest RAM is the same as for a direct boot, but the low region is registered as
 //!   several slots: `[0, 0xc0000)`, the thirteen PAM blocks of the BIOS area (twelve of
 //!   16 KiB for `[0xc0000, 0xf0000)`, one of 64 KiB for `[0xf0000, 0x100000)`) and the rest;
-//! - the last 128 KiB of the ROM are copied into RAM at `[0xe0000, 0x100000)` before the
-//!   first instruction, where the CPU finds them after the first far jump.
+//! - the last 128 KiB of the ROM (all of a 64 KiB one) are copied into RAM just below
+//!   1 MiB before the first instruction, where the CPU finds them after the first far jump.
 //!
 //! The PAM registers decide, per block, where reads and writes go. The model keeps the
 //! block's contents in RAM and makes the block writable when the register's write-enable
@@ -48,10 +48,8 @@ pub const ROM_MAX_SIZE: u64 = 16 << 20;
 pub const ROM_SIZE_UNIT: u64 = 64 << 10;
 /// End of the ROM: the top of the 32-bit address space.
 pub const ROM_END: u64 = 1 << 32;
-/// The ROM's tail that also appears below 1 MiB.
+/// The ROM's tail that also appears below 1 MiB, up to [`SHADOW_END`].
 pub const BIOS_ALIAS_SIZE: u64 = 128 << 10;
-/// Where that tail appears.
-pub const BIOS_ALIAS_START: u64 = 0x10_0000 - BIOS_ALIAS_SIZE;
 /// The BIOS area the PAM registers control.
 pub const SHADOW_START: u64 = 0xc_0000;
 /// End of the BIOS area (1 MiB).
@@ -89,7 +87,7 @@ impl Rom {
             value: path.display().to_string(),
             reason,
         };
-        let mut file = File::open(path).map_err(|e| {
+        let cannot_open = |e: std::io::Error| {
             let hint = if e.kind() == std::io::ErrorKind::NotFound
                 && path == Path::new(crate::config::DEFAULT_FIRMWARE)
             {
@@ -98,14 +96,20 @@ impl Rom {
                 ""
             };
             refuse(format!("cannot open: {e}{hint}"))
-        })?;
-        let meta = file
-            .metadata()
-            .map_err(|e| refuse(format!("cannot read: {e}")))?;
-        if meta.is_dir() {
-            return Err(refuse("is a directory, not a firmware ROM".into()));
+        };
+        // Looked at before opening: opening a FIFO would wait for a writer for ever.
+        let meta = std::fs::metadata(path).map_err(cannot_open)?;
+        if !meta.is_file() {
+            return Err(refuse(format!(
+                "is {}, not a firmware ROM (a regular file)",
+                crate::files::kind_of(meta.file_type())
+            )));
         }
-        let size = meta.len();
+        let mut file = File::open(path).map_err(cannot_open)?;
+        let size = file
+            .metadata()
+            .map_err(|e| refuse(format!("cannot read: {e}")))?
+            .len();
         if !(ROM_MIN_SIZE..=ROM_MAX_SIZE).contains(&size) || size % ROM_SIZE_UNIT != 0 {
             return Err(refuse(format!(
                 "{size} bytes: a firmware ROM is a whole number of 64 KiB, from 64 KiB to 16 MiB \
@@ -347,12 +351,14 @@ fn map_rom(rom: &Rom) -> Result<memory::GuestRegion> {
     Ok(mapping)
 }
 
-/// Copies the ROM's last 128 KiB to RAM at [`BIOS_ALIAS_START`], where the CPU runs it
-/// after its first far jump (a fresh boot only: restored RAM has its own contents).
+/// Copies the ROM's last 128 KiB (all of a smaller ROM, as a PC shows a 64 KiB BIOS at
+/// 0xf0000) to RAM just below 1 MiB, where the CPU runs it after its first far jump (a
+/// fresh boot only: restored RAM has its own contents).
 pub fn load_bios_alias(guest_memory: &GuestMemory, rom: &Rom) -> Result<()> {
-    let tail = &rom.bytes[rom.bytes.len() - BIOS_ALIAS_SIZE as usize..];
+    let size = rom.bytes.len().min(BIOS_ALIAS_SIZE as usize);
+    let tail = &rom.bytes[rom.bytes.len() - size..];
     guest_memory
-        .write_slice(tail, vm_memory::GuestAddress(BIOS_ALIAS_START))
+        .write_slice(tail, vm_memory::GuestAddress(SHADOW_END - size as u64))
         .map_err(|e| Error::Memory(format!("copying the BIOS below 1 MiB: {e}")))
 }
 

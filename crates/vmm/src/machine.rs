@@ -388,6 +388,7 @@ impl Machine {
             postcopy: Default::default(),
             guest_lost: Default::default(),
             snapshot_temp: Default::default(),
+            devices_held: Default::default(),
         });
         let info = MachineInfo {
             vcpus: config.cpus,

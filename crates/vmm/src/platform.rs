@@ -119,9 +119,7 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
         .then(|| Arc::new(VmIoEvents { vm: ctx.vm.clone() }) as Arc<dyn IoEventRegistrar>);
     let mut models: Vec<(&str, Box<dyn VirtioDevice<GuestMemory>>)> = Vec::new();
     for disk in &config.disks {
-        // A migration destination takes the locks from its source at the hand-over.
-        let incoming = matches!(config.start, crate::config::StartFrom::Incoming(_));
-        models.push(("virtio-blk", Box::new(open_disk(disk, incoming)?)));
+        models.push(("virtio-blk", Box::new(open_disk(disk, config)?)));
     }
     if config.console == ConsoleConfig::Virtio {
         models.push(("virtio-console", Box::new(open_console(&config.serial)?)));
@@ -199,8 +197,13 @@ fn plug(
     Ok(function)
 }
 
-/// Opens a `--disk` image, locked unless `defer_lock`.
-fn open_disk(disk: &DiskConfig, defer_lock: bool) -> Result<Block> {
+/// Opens a `--disk` image of the machine `config` describes.
+fn open_disk(disk: &DiskConfig, config: &VmConfig) -> Result<Block> {
+    use crate::config::StartFrom;
+    // A migration destination takes the locks from its source at the hand-over.
+    let defer_lock = matches!(config.start, StartFrom::Incoming(_));
+    let expect_unchanged =
+        matches!(config.start, StartFrom::Restore(_)) && !config.restore_allow_changed_disks;
     let options = BlockOptions {
         path: disk.path.clone(),
         readonly: disk.readonly,
@@ -211,6 +214,7 @@ fn open_disk(disk: &DiskConfig, defer_lock: bool) -> Result<Block> {
         },
         queues: disk.queues,
         defer_lock,
+        expect_unchanged,
     };
     Block::new(options).map_err(|e| Error::Option {
         option: "--disk",

@@ -25,6 +25,11 @@ use crate::power::PowerControl;
 /// How long a pause may take before the request fails (and the guest keeps running).
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// What a forced resume after a migration of unknown outcome brought back, as `resume`
+/// replies it.
+pub const TAKEN_BACK: &str = "the guest runs here again: its disk locks were taken back, its \
+                              devices and timers resumed with its vCPUs";
+
 /// What the machine is doing between operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RunState {
@@ -258,24 +263,42 @@ impl Supervisor {
     /// Lets the vCPUs run again. After a migration whose outcome is unknown, only with
     /// `force` (the operator made sure the destination does not run the guest).
     pub fn resume(&self, force: bool) -> Result<RunState> {
+        self.resume_reporting(force).map(|(state, _)| state)
+    }
+
+    /// [`Supervisor::resume`], also saying whether the whole machine was taken back from a
+    /// migration whose outcome was unknown.
+    pub fn resume_reporting(&self, force: bool) -> Result<(RunState, bool)> {
         let busy = self.begin(Operation::Resume)?;
         match busy.from {
             RunState::MigrationOutcomeUnknown if !force => Err(conflict(
                 "the outcome of the last migration is unknown: the destination may be running \
                  the guest; make sure it is not, then resume with force (`ctl resume --force`)",
             )),
-            RunState::Paused | RunState::MigrationOutcomeUnknown => {
+            RunState::MigrationOutcomeUnknown => {
+                // The final phase stopped more than the vCPUs: the disk locks (if handed
+                // over), devices and timers come back first, or nothing does.
+                self.ops("resume --force")?.resume_devices(true)?;
                 self.control.resume();
                 busy.settle(RunState::Running);
-                Ok(RunState::Running)
+                log::warn!("resumed by force after a migration of unknown outcome: {TAKEN_BACK}");
+                Ok((RunState::Running, true))
+            }
+            RunState::Paused => {
+                if let Some(ops) = &self.ops {
+                    ops.resume_devices(false)?;
+                }
+                self.control.resume();
+                busy.settle(RunState::Running);
+                Ok((RunState::Running, false))
             }
             RunState::Running if self.suspended() => {
                 if let Some(power) = self.power.get() {
                     power.wake(devices::acpi_pm::WakeEvent::Resume);
                 }
-                Ok(RunState::Running)
+                Ok((RunState::Running, false))
             }
-            other => Ok(other),
+            other => Ok((other, false)),
         }
     }
 
@@ -383,6 +406,13 @@ mod tests {
             }
             outcome.map(|_| Value::Null)
         }
+
+        fn resume_devices(&self, take_back: bool) -> Result<()> {
+            match take_back {
+                true => lock(&self.finish).recv().unwrap(),
+                false => Ok(()),
+            }
+        }
     }
 
     fn gate() -> (Arc<Gate>, mpsc::Receiver<()>, mpsc::Sender<Result<()>>) {
@@ -486,7 +516,15 @@ mod tests {
         assert!(conflict_text(sup.resume(false)).contains("--force"));
         assert!(conflict_text(sup.migrate(&request(), &mut |_| {})).contains("unknown"));
         assert_eq!(sup.pause().unwrap(), RunState::MigrationOutcomeUnknown);
-        assert_eq!(sup.resume(true).unwrap(), RunState::Running);
+        // The machine cannot be taken back (the destination holds a disk): it stays put.
+        finish.send(Err(conflict("disk d.img: locked"))).unwrap();
+        assert!(conflict_text(sup.resume(true)).contains("locked"));
+        assert_eq!(sup.status().0, RunState::MigrationOutcomeUnknown);
+        finish.send(Ok(())).unwrap();
+        assert_eq!(
+            sup.resume_reporting(true).unwrap(),
+            (RunState::Running, true)
+        );
         sup.shutdown().unwrap();
         assert_eq!(conflict_text(sup.pause()), "the VM is shutting down");
         // Shutting down twice (or after the guest ended) is not an error.

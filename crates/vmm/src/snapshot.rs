@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -70,6 +71,10 @@ pub struct Core {
     pub guest_lost: std::sync::OnceLock<String>,
     /// The temporary file of a snapshot being written, removed if the machine ends first.
     pub snapshot_temp: std::sync::Mutex<SnapshotTemp>,
+    /// The devices and timers of a guest the operator paused stay paused after a snapshot
+    /// or a failed migration, until it resumes: nothing writes its disks meanwhile, and
+    /// requests it queued before are served on resume (or by a restored copy).
+    pub devices_held: std::sync::atomic::AtomicBool,
 }
 
 /// The temporary file of a snapshot in progress.
@@ -165,13 +170,23 @@ impl Core {
         })
     }
 
-    /// Undoes `pause_machine(paused)` in reverse order: the vCPUs of a guest the operator
-    /// paused stay parked. Every part is resumed even if a device fails to; that failure is
-    /// returned.
+    /// Undoes `pause_machine(paused)` in reverse order. A guest the operator paused stays
+    /// paused whole, its devices and timers held with its vCPUs until it resumes
+    /// ([`Core::resume_devices`]). Every part is resumed even if a device fails to; that
+    /// failure is returned.
     fn resume_machine(&self, paused: bool) -> Result<()> {
-        if !paused {
-            self.control.resume();
+        if paused {
+            self.devices_held.store(true, Ordering::SeqCst);
+            return Ok(());
         }
+        self.control.resume();
+        self.resume_devices()
+    }
+
+    /// Resumes the devices, then the timers (all of them even if a device fails to; that
+    /// failure is returned).
+    fn resume_devices(&self) -> Result<()> {
+        self.devices_held.store(false, Ordering::SeqCst);
         let devices = self.devices.resume();
         self.timers.resume();
         devices
@@ -363,9 +378,32 @@ impl MachineOps for Core {
             Err(e) => Err(Error::Migration(format!("{e} ({here})"))),
         }
     }
+
+    fn resume_devices(&self, take_back: bool) -> Result<()> {
+        self.resume_devices_for(take_back)
+    }
 }
 
 impl Core {
+    /// [`MachineOps::resume_devices`]. Taking the guest back, the locks come first, so that
+    /// a refusal leaves the devices paused; locks taken before one was refused are let go
+    /// again (the other copy writes).
+    fn resume_devices_for(&self, take_back: bool) -> Result<()> {
+        if !take_back {
+            let held = self.devices_held.load(Ordering::SeqCst);
+            return if held { self.resume_devices() } else { Ok(()) };
+        }
+        if let Err(e) = self.devices.take_over() {
+            let _ = self.devices.hand_over();
+            return Err(Error::Conflict(format!(
+                "cannot take the guest back: {e}; the migration's destination holds it and may \
+                 be running the guest, so this copy stays paused (stop the destination first, \
+                 or shut this copy down)"
+            )));
+        }
+        self.resume_devices()
+    }
+
     /// Runs the migration engine over a connected stream. A guest found paused is migrated
     /// warm (nothing can dirty its memory) and its state says so, so that the destination
     /// keeps it paused. On failure, the guest runs again only if it was running.

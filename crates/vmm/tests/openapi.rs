@@ -59,7 +59,7 @@ fn samples() -> Vec<(&'static str, Check, Value)> {
         (
             "StateReply",
             round_trip::<StateReply>,
-            json!({"state": "paused"}),
+            json!({"state": "running", "message": "taken back"}),
         ),
         (
             "ResumeRequest",

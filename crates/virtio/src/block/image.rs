@@ -3,10 +3,11 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{Bytes, VolatileSlice};
 
@@ -45,6 +46,36 @@ fn image_error(path: &Path, kind: ImageErrorKind, what: impl Into<String>) -> Im
         path: path.to_path_buf(),
         kind,
         what: what.into(),
+    }
+}
+
+/// What identifies an image file's content at one moment, for one fstat: which file it is
+/// (its inode) and when its data and its inode last changed. Any write moves both times (and
+/// since Linux 6.13 the first change after a stat gets a fine-grained time, so a write right
+/// after the snapshot is seen too); a copy is another inode; the ctime cannot be set back.
+/// The device number is left out: it may change across reboots for the same file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageStamp {
+    pub ino: u64,
+    pub size: u64,
+    /// Modification time: seconds and nanoseconds since the epoch.
+    pub mtime: (i64, i64),
+    /// Change time of the inode.
+    pub ctime: (i64, i64),
+}
+
+impl ImageStamp {
+    /// How `now` differs from `self`, in words, if it does.
+    pub fn difference(&self, now: &ImageStamp) -> Option<&'static str> {
+        if now.ino != self.ino {
+            Some("another file (its inode differs)")
+        } else if now.size != self.size || now.mtime != self.mtime {
+            Some("written since")
+        } else if now.ctime != self.ctime {
+            Some("changed since (its inode's change time differs)")
+        } else {
+            None
+        }
     }
 }
 
@@ -96,6 +127,21 @@ impl DiskImage {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The image file's [`ImageStamp`] now; None for a block device (writes through it do
+    /// not move the device node's times).
+    pub fn stamp(&self) -> io::Result<Option<ImageStamp>> {
+        if self.kind != ImageKind::File {
+            return Ok(None);
+        }
+        let meta = self.file.metadata()?;
+        Ok(Some(ImageStamp {
+            ino: meta.ino(),
+            size: meta.size(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }))
     }
 
     /// Takes the image's lock (again): exclusive when writable, shared when read-only.

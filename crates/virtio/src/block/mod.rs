@@ -32,8 +32,8 @@ use vm_memory::GuestMemory;
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{Immutable, IntoBytes, KnownLayout};
 
-pub use image::{DiskImage, ImageError, ImageErrorKind, ImageKind, SECTOR_SIZE};
-pub use options::{BlockOptions, CacheMode, MAX_QUEUES, MAX_SERIAL_LEN};
+pub use image::{DiskImage, ImageError, ImageErrorKind, ImageKind, ImageStamp, SECTOR_SIZE};
+pub use options::{repeated_key, BlockOptions, CacheMode, MAX_QUEUES, MAX_SERIAL_LEN};
 use request::{BlockHandler, MAX_RANGE_SECTORS, MAX_RANGE_SEGMENTS};
 
 use crate::worker::Workers;
@@ -96,6 +96,10 @@ pub struct BlockState {
     pub features: u64,
     pub acked_features: u64,
     pub num_queues: u16,
+    /// The image file as it was when the state was saved (absent before this field existed,
+    /// and for block devices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageStamp>,
 }
 
 /// A virtio-blk device.
@@ -266,6 +270,9 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
             features: VirtioDevice::<M>::features(self),
             acked_features: self.acked_features,
             num_queues: self.options.queues,
+            image: self.image.stamp().map_err(|e| {
+                LifecycleError(format!("disk {}: fstat: {e}", self.image.path().display()))
+            })?,
         };
         DeviceState::new(STATE_VERSION, &state)
     }
@@ -309,7 +316,38 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
                 saved.num_queues, self.options.queues
             ));
         }
+        self.check_unchanged(saved.image.as_ref())?;
         self.acked_features = saved.acked_features;
         Ok(())
+    }
+}
+
+impl Block {
+    /// With [`BlockOptions::expect_unchanged`] (a snapshot restore), refuses an image file
+    /// that is not as it was when `saved` was taken: the guest's memory would not match it.
+    fn check_unchanged(&self, saved: Option<&ImageStamp>) -> Result<(), StateError> {
+        let Some(saved) = saved.filter(|_| self.options.expect_unchanged) else {
+            return Ok(());
+        };
+        let path = self.image.path().display();
+        let now = self
+            .image
+            .stamp()
+            .map_err(|e| StateError::new("virtio-blk", format!("disk {path}: fstat: {e}")))?;
+        let difference = match now {
+            Some(now) => saved.difference(&now),
+            None => Some("another file (a block device now)"),
+        };
+        match difference {
+            None => Ok(()),
+            Some(how) => Err(StateError::new(
+                "virtio-blk",
+                format!(
+                    "disk {path} is not the image the snapshot was taken with: {how}; the \
+                     guest's memory would not match it (--restore-allow-changed-disks runs \
+                     it anyway)"
+                ),
+            )),
+        }
     }
 }

@@ -53,6 +53,9 @@ pub struct BlockOptions {
     /// Open the image without its lock, which [`crate::VirtioDevice::take_over`] takes later:
     /// a migration destination, whose source holds the lock until the hand-over.
     pub defer_lock: bool,
+    /// Restoring a snapshot: refuse an image file whose [`super::ImageStamp`] differs from
+    /// the one the snapshot recorded (the guest's memory would not match its disk).
+    pub expect_unchanged: bool,
 }
 
 impl BlockOptions {
@@ -65,6 +68,7 @@ impl BlockOptions {
             cache: CacheMode::Writeback,
             queues: 1,
             defer_lock: false,
+            expect_unchanged: false,
         }
     }
 
@@ -110,6 +114,27 @@ impl BlockOptions {
     }
 }
 
+/// The first key given twice in the items of a `KEY=VALUE,FLAG,...` option, if any (the
+/// last one would win silently). `aliases` name spellings of one key: `("ro", "readonly")`.
+pub fn repeated_key<'a>(
+    items: impl IntoIterator<Item = &'a str>,
+    aliases: &[(&str, &'a str)],
+) -> Option<&'a str> {
+    let mut seen: Vec<&str> = Vec::new();
+    for item in items {
+        let key = item.split_once('=').map_or(item, |(key, _)| key);
+        let key = aliases
+            .iter()
+            .find(|(alias, _)| *alias == key)
+            .map_or(key, |(_, canonical)| *canonical);
+        if seen.contains(&key) {
+            return Some(key);
+        }
+        seen.push(key);
+    }
+    None
+}
+
 impl FromStr for BlockOptions {
     type Err = String;
 
@@ -117,6 +142,9 @@ impl FromStr for BlockOptions {
     fn from_str(s: &str) -> Result<Self, String> {
         let mut items = s.split(',');
         let path = items.next().unwrap_or_default();
+        if let Some(key) = repeated_key(items.clone(), &[]) {
+            return Err(format!("disk option {key} is given twice"));
+        }
         let mut options = BlockOptions::new(path);
         for item in items {
             options.apply(item)?;
@@ -156,6 +184,9 @@ mod tests {
             "/img,queues=x",
             "/img,serial=123456789012345678901",
             "/img,bogus",
+            "/img,cache=none,cache=writeback",
+            "/img,serial=a,serial=b",
+            "/img,readonly,readonly",
         ] {
             assert!(bad.parse::<BlockOptions>().is_err(), "{bad} accepted");
         }

@@ -1,6 +1,6 @@
 //! virtio-blk driven through real split queues in guest memory, on temporary images.
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -188,7 +188,6 @@ impl Rig {
     }
 
     fn file_bytes(&self, offset: u64, len: usize) -> Vec<u8> {
-        use std::os::unix::fs::FileExt;
         let mut buf = vec![0; len];
         std::fs::File::open(&self.path)
             .unwrap()
@@ -806,6 +805,45 @@ fn pause_completes_requests_in_flight_then_saves() {
     assert_eq!(rig.file_bytes(63 * 128 * 512, data.len()), data);
 }
 
+/// With `expect_unchanged` (a snapshot restore) an image file written since the save, or
+/// another file, is refused naming it; without (a migration) only the size counts.
+#[test]
+fn a_restore_refuses_an_image_changed_since_the_save() {
+    let dir = TempDir::new("blk-stamp");
+    let (path, copy) = (dir.join("disk.img"), dir.join("copy.img"));
+    make_image(&path, 1 << 20);
+    make_image(&copy, 1 << 20);
+    let dev = Block::new(BlockOptions::new(&path)).unwrap();
+    let saved = VirtioDevice::<GuestMemoryMmap>::save(&dev).unwrap();
+    drop(dev);
+    let strict = |p: &Path| BlockOptions {
+        expect_unchanged: true,
+        ..BlockOptions::new(p)
+    };
+    let restore = |options: BlockOptions| {
+        let mut dev = Block::new(options).unwrap();
+        VirtioDevice::<GuestMemoryMmap>::restore(&mut dev, &saved).map_err(|e| e.to_string())
+    };
+    restore(strict(&path)).unwrap();
+    let other = restore(strict(&copy)).unwrap_err();
+    assert!(
+        other.contains("copy.img") && other.contains("another file"),
+        "{other}"
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .write_all_at(b"x", 4096)
+        .unwrap();
+    let written = restore(strict(&path)).unwrap_err();
+    assert!(
+        written.contains("disk.img") && written.contains("written since"),
+        "{written}"
+    );
+    restore(BlockOptions::new(&path)).unwrap();
+}
+
 #[test]
 fn restore_checks_the_image() {
     let rig = Rig::new("blk-restore", 4 << 20, |_| {});
@@ -1177,7 +1215,6 @@ fn block_device_images_discard_and_zero_with_ioctls() {
     }
     // The loop device forwards discards to its file as holes.
     let mut discarded = vec![0u8; 1 << 20];
-    use std::os::unix::fs::FileExt;
     std::fs::File::open(&backing)
         .unwrap()
         .read_exact_at(&mut discarded, 1 << 20)

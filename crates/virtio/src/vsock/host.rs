@@ -6,9 +6,13 @@ use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 /// Longest `CONNECT <port>\n` line a host client may send, newline included.
 pub const MAX_CONNECT_LINE: usize = 32;
+/// How long a host client may take to send its `CONNECT` line before it is closed: one that
+/// never sends it must not hold a slot for ever.
+pub const CONNECT_LINE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Binds the device's listening socket at `path`, mode 0600. An existing socket file is
 /// replaced only if nobody listens on it; anything else at `path` is an error.
@@ -85,6 +89,8 @@ pub fn connect_nonblocking(path: &Path) -> io::Result<UnixStream> {
 pub struct PendingClient {
     pub stream: UnixStream,
     line: Vec<u8>,
+    /// When the client is closed if its line is not complete.
+    pub deadline: Instant,
 }
 
 /// What reading a pending client's line gave.
@@ -103,6 +109,7 @@ impl PendingClient {
         PendingClient {
             stream,
             line: Vec::new(),
+            deadline: Instant::now() + CONNECT_LINE_TIMEOUT,
         }
     }
 

@@ -32,7 +32,9 @@ use crate::worker::QueueHandler;
 pub const MAX_CONTROL: usize = 256;
 /// Open connections at most; further requests are reset.
 pub const MAX_CONNECTIONS: usize = 256;
-/// Host clients still sending their CONNECT line at most.
+/// Host clients still sending their CONNECT line at most; each has
+/// [`host::CONNECT_LINE_TIMEOUT`] to finish it, and a new client makes room by closing the
+/// one that has waited longest.
 pub const MAX_PENDING_CLIENTS: usize = 64;
 /// Largest payload of one packet either way (Linux's VIRTIO_VSOCK_MAX_PKT_BUF_SIZE).
 pub const MAX_PAYLOAD: u32 = 64 << 10;
@@ -286,8 +288,15 @@ impl Muxer {
                     return;
                 }
             };
-            if self.pending.len() >= MAX_PENDING_CLIENTS || stream.set_nonblocking(true).is_err() {
+            if stream.set_nonblocking(true).is_err() {
                 continue; // dropped: closed
+            }
+            if self.pending.len() >= MAX_PENDING_CLIENTS {
+                // Idle handshakes must not lock real clients out: the oldest goes.
+                let oldest = self.pending.iter().min_by_key(|(_, c)| c.deadline);
+                if let Some(fd) = oldest.map(|(fd, _)| *fd) {
+                    self.drop_pending(fd);
+                }
             }
             let fd = stream.as_raw_fd();
             let event = EpollEvent::new(EventSet::IN, fd as u64);
@@ -301,6 +310,18 @@ impl Muxer {
                 self.pending.insert(fd, PendingClient::new(stream));
             }
         }
+        self.arm_timer();
+    }
+
+    /// Forgets a host client still sending its line; closes it unless the caller keeps it.
+    fn drop_pending(&mut self, fd: RawFd) -> Option<PendingClient> {
+        let client = self.pending.remove(&fd)?;
+        self.owners.remove(&fd);
+        let _ = self
+            .host
+            .epoll
+            .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+        Some(client)
     }
 
     /// Takes the listener out of the epoll set (`pause`) or puts it back.
@@ -332,14 +353,9 @@ impl Muxer {
         if status == LineStatus::Partial {
             return;
         }
-        let Some(client) = self.pending.remove(&fd) else {
+        let Some(client) = self.drop_pending(fd) else {
             return;
         };
-        self.owners.remove(&fd);
-        let _ = self
-            .host
-            .epoll
-            .ctl(ControlOperation::Delete, fd, EpollEvent::default());
         self.pause_listener(false);
         if let LineStatus::Connect(port) = status {
             self.connect_to_guest(client, port);
@@ -367,15 +383,16 @@ impl Muxer {
         self.arm_timer();
     }
 
-    /// Sets the timer to the earliest CONNECT deadline (a spurious expiry is harmless).
+    /// Sets the timer to the earliest deadline of a CONNECT line or of the guest's answer
+    /// (a spurious expiry is harmless).
     fn arm_timer(&self) {
-        let Some(earliest) = self
+        let answers = self
             .conns
             .values()
             .filter(|c| c.state == ConnState::Connecting)
-            .filter_map(|c| c.connect_deadline)
-            .min()
-        else {
+            .filter_map(|c| c.connect_deadline);
+        let lines = self.pending.values().map(|c| c.deadline);
+        let Some(earliest) = answers.chain(lines).min() else {
             return;
         };
         let wait = earliest
@@ -387,7 +404,8 @@ impl Muxer {
         }
     }
 
-    /// The timer fired: host clients the guest did not answer in time are turned away.
+    /// The timer fired: host clients that did not send their line in time, or that the
+    /// guest did not answer in time, are turned away.
     fn expire_connects(&mut self) {
         {
             let mut timer = self.host.timer.lock().unwrap_or_else(|e| e.into_inner());
@@ -395,6 +413,16 @@ impl Muxer {
             let _ = timer.wait();
         }
         let now = Instant::now();
+        let silent: Vec<RawFd> = self
+            .pending
+            .iter()
+            .filter(|(_, c)| c.deadline <= now)
+            .map(|(fd, _)| *fd)
+            .collect();
+        for fd in silent {
+            log::debug!("virtio-vsock: a host client sent no CONNECT line in time");
+            self.drop_pending(fd);
+        }
         let late: Vec<ConnKey> = self
             .conns
             .iter()

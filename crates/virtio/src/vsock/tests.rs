@@ -315,3 +315,39 @@ fn an_unanswered_connect_times_out() {
     let (op, src, dst, ..) = parse_rx(&rig.driver, rx[1]);
     assert_eq!((op, src, dst), (OP_RST, host_port, 7000));
 }
+
+/// Host clients that connect and never send their CONNECT line used to be kept for ever,
+/// and once there were MAX_PENDING_CLIENTS of them every other client was closed at once.
+/// Now a new client makes room by closing the oldest, and each is closed after
+/// CONNECT_LINE_TIMEOUT.
+#[test]
+fn idle_host_clients_time_out_and_never_lock_real_ones_out() {
+    use std::os::unix::net::UnixStream;
+    let mut rig = Rig::new("idle", false);
+    let socket = rig.dir.join("v.sock");
+    let rx = rig.give_rx(1, 4096);
+    let idle: Vec<UnixStream> = (0..muxer::MAX_PENDING_CLIENTS + 8)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+    let start = std::time::Instant::now();
+    let mut client = UnixStream::connect(&socket).unwrap();
+    client.write_all(b"CONNECT 5000\n").unwrap();
+    rig.driver.wait_used(RX, 1);
+    assert!(
+        start.elapsed() < host::CONNECT_LINE_TIMEOUT,
+        "not served at once"
+    );
+    let (op, _, guest_port, ..) = parse_rx(&rig.driver, rx[0]);
+    assert_eq!((op, guest_port), (OP_REQUEST, 5000));
+    for mut stream in idle {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        assert_eq!(
+            stream.read(&mut [0u8; 8]).unwrap(),
+            0,
+            "an idle client is kept"
+        );
+    }
+    assert!(start.elapsed() < host::CONNECT_LINE_TIMEOUT * 3);
+}

@@ -285,7 +285,8 @@ impl PreBoot {
         if let Some(mac) = &n.guest_mac {
             if crate::config::parse_mac(mac).is_none() {
                 return bad(format!(
-                    "guest_mac {mac:?}: expected six hex bytes, aa:bb:cc:dd:ee:ff"
+                    "guest_mac {mac:?}: expected six hex bytes, aa:bb:cc:dd:ee:ff, a unicast \
+                     address, not all zeroes"
                 ));
             }
         }

@@ -52,6 +52,9 @@ pub struct VmmPing {
 #[serde(deny_unknown_fields)]
 pub struct StateReply {
     pub state: String,
+    /// What else happened (a forced resume says what it took back).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// `PUT /api/v1/vm.resume` (the body is optional).
