@@ -125,4 +125,6 @@ cp "$OBJ/arch/x86/boot/bzImage" "$built.tmp/bzImage"
 cp "$OBJ/.config" "$built.tmp/config"
 mv "$built.tmp" "$built"
 echo "kernel $key built in $(( $(date +%s) - start )) s"
+# Keep the three newest kernels of this cache.
+ls -dt "$CACHE"/[0-9a-f]*/ | grep -E '/[0-9a-f]{16}/$' | tail -n +4 | xargs -r rm -rf
 install_outputs
