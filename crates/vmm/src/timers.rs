@@ -164,7 +164,7 @@ fn tick(devices: &TimerDevices, now: Instant) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use devices::bus::BusDevice;
+    use devices::bus::BusDeviceMut;
     use std::sync::atomic::AtomicU32;
 
     #[derive(Default)]
