@@ -26,7 +26,7 @@ use crate::memory::GuestMemory;
 use crate::platform::{add_virtio_devices, PciHandles, PlatformDevices, VirtioContext};
 use crate::power::PowerControl;
 use crate::state::{DeviceList, SharedDevice};
-use crate::timers::{TimerDevices, TimerWake};
+use crate::timers::{PitTimer, TimedDevice, TimerDevices, TimerWake};
 
 /// The ACPI SCI line, as the FADT and MADT advertise it.
 const ACPI_SCI_IRQ: u32 = 9;
@@ -73,7 +73,11 @@ pub struct DeviceManager<'a> {
     pio: Bus,
     mmio: Bus,
     timer_wake: Arc<TimerWake>,
-    pit: Option<Arc<Mutex<Pit>>>,
+    /// The PIT and the RTC where the VMM models them, in restore order.
+    timer_list: Vec<SharedDevice>,
+    /// The same, as the timer thread serves them.
+    timed: Vec<Arc<dyn TimedDevice>>,
+    /// Power management's wake alarm.
     rtc: Option<Arc<Mutex<Rtc>>>,
     /// Serial, i8042, fw_cfg, ACPI PM and the firmware machine's extras, in restore order.
     pc: Vec<SharedDevice>,
@@ -118,7 +122,8 @@ impl<'a> DeviceManager<'a> {
             pio,
             mmio,
             timer_wake: Arc::new(TimerWake::default()),
-            pit: None,
+            timer_list: Vec::new(),
+            timed: Vec::new(),
             rtc: None,
             pc: Vec::new(),
             fw_cfg: None,
@@ -138,14 +143,20 @@ impl<'a> DeviceManager<'a> {
         if self.ctx.irqchip.kind() == IrqChipKind::Split {
             let mut pit = Pit::new();
             pit.set_waker(self.timer_wake.clone());
-            self.pit = Some(pit.register(&mut self.pio).map_err(bus_error)?);
+            let pit = pit.register(&mut self.pio).map_err(bus_error)?;
+            self.timer_list.push(pit.clone());
+            let irqchip = self.irqchip.clone();
+            self.timed.push(Arc::new(PitTimer { pit, irqchip }));
         }
         if !self.ctx.caps.rtc_in_kernel {
             let mut rtc = Rtc::new(self.irq_pin(RTC_IRQ));
             rtc.set_waker(self.timer_wake.clone());
             let (below_4g, above_4g) = ram_below_and_above_4g(self.ctx.config.memory);
             rtc.set_memory_sizes(below_4g, above_4g);
-            self.rtc = Some(rtc.register(&mut self.pio).map_err(bus_error)?);
+            let rtc = rtc.register(&mut self.pio).map_err(bus_error)?;
+            self.timer_list.push(rtc.clone());
+            self.timed.push(rtc.clone());
+            self.rtc = Some(rtc);
         }
         Ok(())
     }
@@ -233,17 +244,14 @@ impl<'a> DeviceManager<'a> {
     /// made immutable, and the handles the rest of the machine keeps.
     fn finish(self, pci: PciHandles, functions: Vec<SharedDevice>) -> Result<MachineDevices> {
         let mut legacy = self.pc;
-        legacy.extend(self.pit.iter().map(|d| d.clone() as SharedDevice));
-        legacy.extend(self.rtc.iter().map(|d| d.clone() as SharedDevice));
+        legacy.extend(self.timer_list);
         let platform = PlatformDevices {
             legacy,
             pci,
             irqchip: Some(self.ctx.irqchip.clone()),
         };
         let timers = TimerDevices {
-            pit: self.pit,
-            rtc: self.rtc,
-            irqchip: self.irqchip,
+            devices: self.timed,
             wake: self.timer_wake,
             gate: Arc::default(),
         };
@@ -340,6 +348,59 @@ mod tests {
         assert_eq!(config_read(&pio, 4) & 0xffff, 0x0402, "command");
         assert_eq!(lock_host_bridge(&target).pam()[1], 0x33);
         assert_eq!(config_read(&pio, 0x3c) & 0xff, 0x0b, "interrupt line");
+    }
+
+    /// The manager registers every device of a split-irqchip machine (rng on PCI) in the
+    /// lifecycle order snapshots and migration rely on, and hands the timer thread both
+    /// timers it models.
+    #[test]
+    fn devices_register_in_restore_order() {
+        use crate::config::{SerialOutput, StartFrom};
+        let mut config = VmConfig::new(StartFrom::Kernel("k".into()));
+        config.irqchip = IrqChipKind::Split;
+        config.serial = SerialOutput::None;
+        config.rng = true;
+        let vm: Arc<dyn Vm> = Arc::new(crate::irqchip::FakeVm::default());
+        let caps = Capabilities {
+            irqchip_split: true,
+            ..Default::default()
+        };
+        let irqchip = crate::irqchip::create(&vm, config.irqchip, &caps).unwrap();
+        let memory = Arc::new(crate::memory::create_guest_memory(16 << 20, false).unwrap());
+        let exit = Arc::new(ExitRequest::new().unwrap());
+        let power = Arc::new(PowerControl::new(1, false, memory.clone()));
+        let ctx = DeviceContext {
+            config: &config,
+            vm: &vm,
+            caps: &caps,
+            irqchip: &irqchip,
+            memory: &memory,
+            exit: &exit,
+            power: &power,
+            firmware: None,
+        };
+        let devices = DeviceManager::build(&ctx).unwrap();
+        let ids: Vec<&str> = devices.list.ids().collect();
+        let expected = [
+            "serial",
+            "i8042",
+            "fw_cfg",
+            "acpi_pm",
+            "pit",
+            "rtc",
+            "pci-00:00.0",
+            "pci-00:01.0",
+            "pci-bus",
+            "irqchip",
+        ];
+        assert_eq!(ids, expected);
+        assert_eq!(devices.timers.devices.len(), 2, "PIT and RTC");
+        assert!(devices.keyboard.is_some());
+        // COM1's scratch register answers on the immutable PIO bus.
+        assert!(devices.pio.write(0x3ff, &[0x5a]));
+        let mut scratch = [0u8];
+        assert!(devices.pio.read(0x3ff, &mut scratch));
+        assert_eq!(scratch, [0x5a]);
     }
 
     /// A machine's lifecycle list holding only the PCI platform.
