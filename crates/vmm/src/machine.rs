@@ -618,6 +618,38 @@ impl Machine {
             // Nothing to drive (bhyve: the PIT and RTC are in the kernel).
             _ => None,
         };
+        let (threads, mut start_error) = self.spawn_vcpus();
+        if let (Some(ack), None) = (ack.as_mut(), &start_error) {
+            // The guest runs here now: tell the source it may exit.
+            if let Err(e) = ack.ack() {
+                // The source will resume its own copy: this one must not run on.
+                start_error = Some(Error::Migration(format!(
+                    "cannot acknowledge the migration ({e}); stopping this copy"
+                )));
+            }
+        }
+        let supervisor = self.supervisor(start_paused);
+        let _socket = self.serve_api(&supervisor, start_error.is_none())?;
+        let outcome = if start_error.is_none() {
+            signals.wait(&self.context.exit, rip_sample_period(), &threads)
+        } else {
+            None
+        };
+        supervisor.stopping();
+        // A snapshot still being written when the machine ends is abandoned: no half-written
+        // temporary file of the guest's size is left behind.
+        self.core.abandon_snapshot();
+        let failures = stop_vcpus(&self.context, threads);
+        if let Some(t) = timer_thread {
+            t.stop();
+        }
+        self.finish_serial_output();
+        self.conclude(outcome, start_error, failures)
+    }
+
+    /// Starts one thread per vCPU, until one fails to start (its error is returned beside
+    /// the threads that run), and hands their kickers to whoever kicks them.
+    fn spawn_vcpus(&mut self) -> (Vec<VcpuThread>, Option<Error>) {
         let mut threads = Vec::new();
         let mut start_error = None;
         for vcpu in self.vcpus.drain(..) {
@@ -634,21 +666,14 @@ impl Machine {
                 }
             }
         }
-        self.context
-            .control
-            .set_kickers(threads.iter().map(|t| t.kicker).collect());
-        self.context
-            .power
-            .set_kickers(threads.iter().map(|t| t.kicker).collect());
-        if let (Some(ack), None) = (ack.as_mut(), &start_error) {
-            // The guest runs here now: tell the source it may exit.
-            if let Err(e) = ack.ack() {
-                // The source will resume its own copy: this one must not run on.
-                start_error = Some(Error::Migration(format!(
-                    "cannot acknowledge the migration ({e}); stopping this copy"
-                )));
-            }
-        }
+        let kickers = || threads.iter().map(|t| t.kicker).collect();
+        self.context.control.set_kickers(kickers());
+        self.context.power.set_kickers(kickers());
+        (threads, start_error)
+    }
+
+    /// What the API drives the running machine through.
+    fn supervisor(&self, start_paused: bool) -> Arc<Supervisor> {
         let initial = if start_paused {
             RunState::Paused
         } else {
@@ -661,33 +686,39 @@ impl Machine {
             initial,
         ));
         supervisor.set_power(self.context.power.clone());
-        let _socket = match self.api.take() {
-            Some(ApiSetup::Own(listener, info, guard)) if start_error.is_none() => {
-                let api = self.api_of(&supervisor, info);
+        supervisor
+    }
+
+    /// Serves the API once the machine runs (`started`); returns the socket's guard, which
+    /// removes the socket when the machine ends.
+    fn serve_api(
+        &mut self,
+        supervisor: &Arc<Supervisor>,
+        started: bool,
+    ) -> Result<Option<SocketGuard>> {
+        Ok(match self.api.take() {
+            Some(ApiSetup::Own(listener, info, guard)) if started => {
+                let api = self.api_of(supervisor, info);
                 crate::api::http::serve(listener, Arc::new(Server::running(api)))?;
                 Some(guard)
             }
-            Some(ApiSetup::Attached(server, info)) if start_error.is_none() => {
-                server.attach(self.api_of(&supervisor, info));
+            Some(ApiSetup::Attached(server, info)) if started => {
+                server.attach(self.api_of(supervisor, info));
                 None
             }
             Some(ApiSetup::Own(_, _, guard)) => Some(guard),
             _ => None,
-        };
-        let outcome = if start_error.is_none() {
-            signals.wait(&self.context.exit, rip_sample_period(), &threads)
-        } else {
-            None
-        };
-        supervisor.stopping();
-        // A snapshot still being written when the machine ends is abandoned: no half-written
-        // temporary file of the guest's size is left behind.
-        self.core.abandon_snapshot();
-        let failures = stop_vcpus(&self.context, threads);
-        if let Some(t) = timer_thread {
-            t.stop();
-        }
-        self.finish_serial_output();
+        })
+    }
+
+    /// How the machine ended, once every thread stopped: a lost or corrupt guest and a
+    /// failed start come before the guest's own outcome.
+    fn conclude(
+        &self,
+        outcome: Option<Outcome>,
+        start_error: Option<Error>,
+        failures: Vec<Error>,
+    ) -> Result<Outcome> {
         // A lazily restored snapshot whose page data proved corrupt: that is the error, however
         // the guest ended.
         let corrupt = self.core.restored.get().and_then(|m| {
