@@ -148,6 +148,37 @@ static u64 t_rdrand(u64 r)
 	return 0;
 }
 
+static u64 t_rdseed(u64 r)
+{
+	u64 a, fa;
+	/* RDSEED may fail (CF=0) on real hardware under load: retry a few times. */
+	for (int i = 0; i < 16; i++) {
+		__asm__ volatile("rdseed %0; pushfq; pop %1" : "=r"(a), "=r"(fa) :: "cc");
+		if (fa & 1)
+			break;
+	}
+	val[r][0] = fa & 1;
+	return 0;
+}
+
+static u64 t_rdpid(u64 r)
+{
+	u64 id;
+	__asm__ volatile("rdpid %0" : "=r"(id));
+	val[r][0] = id;
+	return 0;
+}
+
+/* STAC and CLAC set and clear RFLAGS.AC (ring 0 only: no ring-3 counterpart). */
+static u64 t_stac_clac(u64 r)
+{
+	(void)r;
+	u64 after_stac, after_clac;
+	__asm__ volatile("stac; pushfq; pop %0; clac; pushfq; pop %1"
+			 : "=r"(after_stac), "=r"(after_clac) :: "cc");
+	return ((after_stac >> 18) & 1) | (((after_clac >> 18) & 1) << 1);
+}
+
 static u64 t_fsgsbase(u64 r)
 {
 	u64 old, got;
@@ -324,6 +355,16 @@ void guest_main(void)
 		both("rdrand", t_rdrand, 2 * 8);
 	if (l7b & 1)
 		both("rdfsbase wrfsbase", t_fsgsbase, 8);
+	if (l7b & (1 << 18))
+		both("rdseed", t_rdseed, 8);
+	if (cpuid(7, 0).ecx & (1 << 22))
+		both("rdpid", t_rdpid, 8);
+	if (l7b & (1 << 20)) {
+		u64 ac = ring0_call(t_stac_clac, 0);
+		if (ac != 1)
+			fail("complete: stac/clac: AC after STAC %lu, after CLAC %lu", ac & 1, ac >> 1);
+		printf("complete: stac clac ok\n");
+	}
 	/* Ring 3 may run with the host's XCR0 on PVM hosts: ring 0 is checked against the
 	 * value it set, and every save and restore below names its components explicitly. */
 	ring0_call(t_xgetbv, 0);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what `make linux` needs, if it is missing: Debian's kernel source package, the
 # kernel's build tools (flex, bison, bc, libelf for objtool, OpenSSL headers, lz4 for the
-# bzImage payload) and busybox-static and cpio for the initramfs.
+# bzImage payload) and busybox-static, cpio and musl-tools for the initramfs.
 set -euo pipefail
 
 need_apt=()
@@ -16,7 +16,8 @@ command -v gcc >/dev/null || need_apt+=(gcc)
 command -v make >/dev/null || need_apt+=(make)
 [ -e /usr/include/gelf.h ] || need_apt+=(libelf-dev)
 [ -e /usr/include/openssl/ssl.h ] || need_apt+=(libssl-dev)
-# The static libc for the vsock helper.
+# The vsock helper is linked statically against musl (small), glibc's libc.a otherwise.
+command -v musl-gcc >/dev/null || need_apt+=(musl-tools)
 [ -e /usr/lib/x86_64-linux-gnu/libc.a ] || need_apt+=(libc6-dev)
 # busybox-static replaces the dynamically linked `busybox` package.
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' \

@@ -80,10 +80,16 @@ fi
 kmake() {
     make -C "$SRC" O="$OBJ" KBUILD_BUILD_USER=ferrovm KBUILD_BUILD_HOST=ferrovm "$@"
 }
+# tinyconfig is allnoconfig over the kernel's tiny fragments; the project's fragment joins
+# them (its own lines win), so that every symbol it does not ask for stays off instead of
+# taking its default once its dependencies are met (IPv6, PnP, cpufreq, ...).
 mkdir -p "$OBJ"
-kmake -s tinyconfig
-"$SRC/scripts/kconfig/merge_config.sh" -m -O "$OBJ" "$OBJ/.config" "$FRAGMENT" >/dev/null
-kmake -s olddefconfig
+allconfig=$OBJ/ferrovm.allconfig
+own=$(grep -oE '^(# )?CONFIG_[A-Za-z0-9_]+' "$FRAGMENT" | sed 's/^# //' | paste -sd'|')
+cat "$SRC"/kernel/configs/tiny-base.config "$SRC"/kernel/configs/tiny.config \
+    "$SRC"/arch/x86/configs/tiny.config | grep -vE "^(# )?($own)[= ]" > "$allconfig" || true
+cat "$FRAGMENT" >> "$allconfig"
+kmake -s KCONFIG_ALLCONFIG="$allconfig" allnoconfig
 
 # Every request of the fragment must survive Kconfig's dependency resolution.
 missing=0
@@ -119,4 +125,6 @@ cp "$OBJ/arch/x86/boot/bzImage" "$built.tmp/bzImage"
 cp "$OBJ/.config" "$built.tmp/config"
 mv "$built.tmp" "$built"
 echo "kernel $key built in $(( $(date +%s) - start )) s"
+# Keep the three newest kernels of this cache.
+ls -dt "$CACHE"/[0-9a-f]*/ | grep -E '/[0-9a-f]{16}/$' | tail -n +4 | xargs -r rm -rf
 install_outputs

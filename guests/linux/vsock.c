@@ -8,6 +8,9 @@
  * Copies stdin to the socket until stdin ends (then shuts the socket's write side), and
  * the socket to stdout until the peer closes. Exit status 0, or 1 with one line on
  * stderr naming what failed.
+ *
+ * Built with musl (musl-gcc) where it is installed: 30 KB instead of glibc's 700 KB, and
+ * every byte of the initramfs is copied by emulated ring 0 at boot on this project's hosts.
  */
 #include <errno.h>
 #include <poll.h>
@@ -16,7 +19,25 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#if __has_include(<linux/vm_sockets.h>)
 #include <linux/vm_sockets.h>
+#else
+/* musl ships no kernel headers: the kernel's stable ABI of <linux/vm_sockets.h>. */
+#ifndef AF_VSOCK
+#define AF_VSOCK 40
+#endif
+#define VMADDR_CID_ANY (-1U)
+struct sockaddr_vm {
+	sa_family_t svm_family;
+	unsigned short svm_reserved1;
+	unsigned int svm_port;
+	unsigned int svm_cid;
+	unsigned char svm_flags;
+	unsigned char svm_zero[sizeof(struct sockaddr) - sizeof(sa_family_t) -
+			       sizeof(unsigned short) - 2 * sizeof(unsigned int) - 1];
+};
+#endif
 
 static void die(const char *what)
 {

@@ -19,6 +19,11 @@ const LEAF_ADDRESS_SIZES: u32 = 0x8000_0008;
 const LEAF_AMD_CACHE_TOPOLOGY: u32 = 0x8000_001d;
 const LEAF_AMD_EXT_APIC_ID: u32 = 0x8000_001e;
 
+/// KVM's paravirtual feature leaf (after the "KVMKVMKVM" signature at 0x4000_0000).
+const LEAF_KVM_FEATURES: u32 = 0x4000_0001;
+/// KVM paravirtual features that are hypercalls: PV unhalt (KVM_HC_KICK_CPU), PV IPIs
+/// (KVM_HC_SEND_IPI) and directed yield (KVM_HC_SCHED_YIELD).
+const KVM_FEATURES_BY_HYPERCALL: u32 = (1 << 7) | (1 << 11) | (1 << 13);
 const ECX_HYPERVISOR: u32 = 1 << 31;
 const EDX_HTT: u32 = 1 << 28;
 /// 0x80000007 EDX: the TSC runs at a constant rate in every P-, C- and T-state.
@@ -101,6 +106,18 @@ pub fn family(cpuid: &[CpuidEntry]) -> u32 {
 /// accelerator supports and this host's CPU.
 pub fn guest_cpuid(supported: &[CpuidEntry], vcpu_id: u32, cpus: u32) -> Vec<CpuidEntry> {
     guest_cpuid_on(supported, &HostCpu::detect(), vcpu_id, cpus)
+}
+
+/// Takes out the KVM paravirtual features a guest uses by hypercall, for hosts whose kernel
+/// does not complete hypercalls (`Capabilities::hypercalls`): a guest offered them sends
+/// its IPIs by VMCALL and never gets past its first one. Kernels fall back to the APIC.
+pub fn without_hypercall_features(entries: &mut [CpuidEntry]) {
+    for e in entries
+        .iter_mut()
+        .filter(|e| e.function == LEAF_KVM_FEATURES)
+    {
+        e.eax &= !KVM_FEATURES_BY_HYPERCALL;
+    }
 }
 
 /// [`guest_cpuid`] with the host CPU given.
@@ -220,6 +237,22 @@ mod tests {
             ecx: 0,
             edx: 0,
         }
+    }
+
+    #[test]
+    fn hypercall_features_go_and_the_rest_of_kvms_leaf_stays() {
+        // KVM's leaf as this project's host offers it: clocksource, NOP_IO_DELAY, MMU_OP...
+        let mut cpuid = vec![CpuidEntry {
+            eax: 0x0100_7efb,
+            ..leaf(LEAF_KVM_FEATURES, 0)
+        }];
+        without_hypercall_features(&mut cpuid);
+        let eax = cpuid[0].eax;
+        assert_eq!(eax & KVM_FEATURES_BY_HYPERCALL, 0);
+        assert_eq!(
+            eax, 0x0100_567b,
+            "only PV unhalt, PV IPIs and directed yield go"
+        );
     }
 
     fn find(cpuid: &[CpuidEntry], function: u32, index: u32) -> CpuidEntry {

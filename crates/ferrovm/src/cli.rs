@@ -435,6 +435,14 @@ pub fn print_accel(args: &AccelArgs) -> anyhow::Result<()> {
         "posted interrupts:         {}",
         maybe(caps.posted_interrupts)
     );
+    println!(
+        "guest hypercalls:          {}",
+        if caps.hypercalls {
+            "yes"
+        } else {
+            "no (KVM's PV IPIs, PV unhalt and directed yield are not offered)"
+        }
+    );
     println!("in-kernel RTC:             {}", yes_no(caps.rtc_in_kernel));
     println!(
         "in-kernel ACPI PM timer:   {}",

@@ -69,6 +69,11 @@ pub struct Capabilities {
     /// The kernel models the MC146818 RTC/CMOS at ports 0x70-0x71 (bhyve); otherwise the
     /// VMM provides it.
     pub rtc_in_kernel: bool,
+    /// A guest's VMCALL/VMMCALL is served by the kernel's hypercall handler. Not so on KVM's
+    /// PVM backend: its emulator rewrites the instruction in the guest's (by then read-only)
+    /// kernel text and the call never completes, so paravirtual features that are
+    /// hypercalls (PV IPIs, directed yield, PV unhalt) must not be offered to the guest.
+    pub hypercalls: bool,
     /// I/O port of an ACPI PM timer the kernel models (bhyve: 0x408), for the FADT to point
     /// at; `None` when the VMM provides the PM timer.
     pub pm_timer_port: Option<u16>,

@@ -2,7 +2,7 @@
 //! VMM sets beyond the kernel's reset values (the policies are in `boot::cpuid` and
 //! `boot::msr`).
 
-use boot::cpuid::{guest_cpuid_on, HostCpu};
+use boot::cpuid::{guest_cpuid_on, without_hypercall_features, HostCpu};
 use boot::msr::{guest_mcg_cap, guest_msrs, MSR_IA32_UCODE_REV};
 use hypervisor::{CpuidEntry, Hypervisor, MsrEntry, Vcpu};
 
@@ -14,6 +14,8 @@ pub struct CpuSetup {
     host: HostCpu,
     supported_mcg_cap: Option<u64>,
     host_feature_msrs: Vec<MsrEntry>,
+    /// The kernel completes hypercalls (`Capabilities::hypercalls`).
+    hypercalls: bool,
 }
 
 impl CpuSetup {
@@ -23,12 +25,16 @@ impl CpuSetup {
             host: HostCpu::detect(),
             supported_mcg_cap: hv.supported_mcg_cap()?,
             host_feature_msrs: hv.feature_msrs(&[MSR_IA32_UCODE_REV])?,
+            hypercalls: hv.capabilities().hypercalls,
         })
     }
 
     /// Gives vCPU `id` of `cpus` its CPUID, machine-check banks and initial MSRs.
     pub fn configure(&self, vcpu: &dyn Vcpu, id: u32, cpus: u32) -> Result<()> {
-        let cpuid = guest_cpuid_on(&self.supported_cpuid, &self.host, id, cpus);
+        let mut cpuid = guest_cpuid_on(&self.supported_cpuid, &self.host, id, cpus);
+        if !self.hypercalls {
+            without_hypercall_features(&mut cpuid);
+        }
         vcpu.set_cpuid(&cpuid)?;
         let mcg_cap = guest_mcg_cap(&cpuid, self.supported_mcg_cap);
         if let Some(cap) = mcg_cap {

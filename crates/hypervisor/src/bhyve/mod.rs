@@ -233,6 +233,8 @@ impl Hypervisor for BhyveHypervisor {
             posted_interrupts: host.posted_interrupts,
             // vmm_ioport.c (FreeBSD 11 to 15) serves the RTC at 0x70-0x71 and the PM timer
             // at IO_PMTMR (vpmtmr.h) in the kernel.
+            // bhyve offers no KVM paravirtual leaf, so nothing depends on this.
+            hypercalls: true,
             rtc_in_kernel: true,
             pm_timer_port: Some(abi::IO_PMTMR),
         }

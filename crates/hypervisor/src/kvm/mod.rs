@@ -174,6 +174,7 @@ impl Hypervisor for KvmHypervisor {
             tpr_shadow,
             apic_virtualization: apicv,
             posted_interrupts: posted,
+            hypercalls: backend != "kvm_pvm",
             // KVM has no in-kernel RTC or PM timer: user space provides both.
             rtc_in_kernel: false,
             pm_timer_port: None,
