@@ -7,7 +7,7 @@ SHELL := /bin/bash
 #   make check-freebsd  type-checks and lints the workspace for FreeBSD (needs the Rust target)
 #   make fuzz   coverage-guided fuzzing of the untrusted-input parsers (AFL++; docs/testing.md)
 #   make linux  the Linux test guest: kernel and initramfs in target/linux (guests/linux/README.md)
-#   make test-linux  boots it under ferrovm: SMP, both irqchips, drivers, power, login (minutes)
+#   make test-linux  boots it under ferrovm: SMP, both irqchips, drivers, devices, power, login (minutes)
 
 CARGO ?= cargo
 GUESTS_DIR := target/guests
@@ -118,7 +118,7 @@ test-linux: deps guests linux check-kvm
 	$(CARGO) build --release --workspace
 	@set -o pipefail; \
 	FERROVM_LINUX=$(CURDIR)/$(LINUX_DIR) FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) \
-		$(CARGO) test --release -p ferrovm --test linux -- --ignored --test-threads=$(LINUX_TEST_THREADS) 2>&1 \
+		$(CARGO) test --release -p ferrovm --test linux --test linux_devices -- --ignored --test-threads=$(LINUX_TEST_THREADS) 2>&1 \
 		| tee target/test-linux.log
 
 # Coverage-guided fuzzing (not part of `make test`): each target of fuzz/ for FUZZ_SECONDS

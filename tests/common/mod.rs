@@ -2,7 +2,9 @@
 
 #![allow(dead_code)]
 
+pub mod linux;
 pub mod relay;
+pub mod vsock;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -103,11 +105,30 @@ pub fn ferrovm(args: &[&str], limit: Duration) -> Run {
 
 /// Like [`ferrovm`], calling `during(pid)` once the process has started.
 pub fn ferrovm_with(args: &[&str], limit: Duration, during: impl FnOnce(i32)) -> Run {
+    let mut command = Command::new(FERROVM);
+    command.args(args);
+    run_limited(command, args, limit, during)
+}
+
+/// Like [`ferrovm`], inside the network namespace `ns` (`ip netns exec`, which execs ferrovm,
+/// so the process and its exit status are ferrovm's own).
+pub fn ferrovm_in_namespace(ns: &str, args: &[&str], limit: Duration) -> Run {
+    let mut command = Command::new("ip");
+    command.args(["netns", "exec", ns, FERROVM]).args(args);
+    run_limited(command, args, limit, |_| {})
+}
+
+/// Runs `command` (ferrovm with `args`), killing it after `limit`.
+fn run_limited(
+    mut command: Command,
+    args: &[&str],
+    limit: Duration,
+    during: impl FnOnce(i32),
+) -> Run {
     let start = Instant::now();
     // Reaped with wait4 below rather than Child::wait, to get the child's own rusage.
     #[allow(clippy::zombie_processes)]
-    let mut child = Command::new(FERROVM)
-        .args(args)
+    let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -211,4 +232,20 @@ pub fn ip(args: &[&str]) {
         "ip {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Runs `f` on a thread that has entered the network namespace `ns` (made by `ip netns add`):
+/// the sockets it opens live in that namespace, whichever thread uses them afterwards.
+pub fn in_namespace<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        // SAFETY: setns on a namespace file descriptor we hold; it changes only this thread.
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .unwrap()
 }

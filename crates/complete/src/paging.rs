@@ -189,3 +189,136 @@ fn set_accessed_dirty(ram: &dyn GuestRam, entries: &[(u64, u64, u64)], write: bo
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// 4 MiB of guest RAM in a vector.
+    struct Ram(Mutex<Vec<u8>>);
+
+    impl Ram {
+        fn new() -> Self {
+            Ram(Mutex::new(vec![0; 4 << 20]))
+        }
+        fn set(&self, at: u64, entry: u64) {
+            self.write(at, &entry.to_le_bytes());
+        }
+        fn get(&self, at: u64) -> u64 {
+            let mut raw = [0u8; 8];
+            self.read(at, &mut raw);
+            u64::from_le_bytes(raw)
+        }
+    }
+
+    impl GuestRam for Ram {
+        fn read(&self, gpa: u64, buf: &mut [u8]) -> bool {
+            let ram = self.0.lock().unwrap();
+            let Some(src) = ram.get(gpa as usize..gpa as usize + buf.len()) else {
+                return false;
+            };
+            buf.copy_from_slice(src);
+            true
+        }
+        fn write(&self, gpa: u64, buf: &[u8]) -> bool {
+            let mut ram = self.0.lock().unwrap();
+            let Some(dst) = ram.get_mut(gpa as usize..gpa as usize + buf.len()) else {
+                return false;
+            };
+            dst.copy_from_slice(buf);
+            true
+        }
+    }
+
+    const PML4: u64 = 0x1000;
+    const PDPT: u64 = 0x2000;
+    const PD: u64 = 0x3000;
+    const PT: u64 = 0x4000;
+    const RW: u64 = PRESENT | WRITABLE;
+
+    /// Long mode with: 0x40_0000_1000 -> 0x20_5000 (a 4 KiB user page, read-only),
+    /// 0x40_0020_0000 -> a 2 MiB page at 0x20_0000, 0x80_0000_0000 -> a 1 GiB page at 0.
+    fn long_mode(ram: &Ram, user: bool) -> Mmu {
+        ram.set(PML4, PDPT | RW | USER);
+        ram.set(PML4 + 8, 0x5000 | RW);
+        ram.set(0x5000, LARGE | RW); // 1 GiB page at 0 for 0x80_0000_0000
+        ram.set(PDPT + 8 * 256, PD | RW | USER); // 0x40_0000_0000: PML4[0], PDPT[256]
+        ram.set(PD, PT | RW | USER);
+        ram.set(PD + 8, 0x20_0000 | LARGE | RW | USER);
+        ram.set(PT + 8, 0x20_5000 | PRESENT | USER);
+        Mmu {
+            cr0: CR0_PG | CR0_WP,
+            cr3: PML4,
+            cr4: CR4_PAE,
+            efer: EFER_LMA,
+            user,
+        }
+    }
+
+    #[test]
+    fn four_level_walks_reach_4k_2m_and_1g_pages_and_set_accessed_dirty() {
+        let ram = Ram::new();
+        let mmu = long_mode(&ram, false);
+        assert_eq!(mmu.translate(&ram, 0x40_0000_1234, false), Ok(0x20_5234));
+        assert_eq!(mmu.translate(&ram, 0x40_0021_2345, true), Ok(0x21_2345));
+        assert_eq!(mmu.translate(&ram, 0x80_0012_3456, false), Ok(0x12_3456));
+        assert_ne!(ram.get(PT + 8) & ACCESSED, 0, "accessed set on the leaf");
+        assert_eq!(ram.get(PT + 8) & DIRTY, 0, "a read leaves dirty clear");
+        assert_ne!(ram.get(PD + 8) & DIRTY, 0, "a write sets dirty on the leaf");
+        assert_ne!(ram.get(PML4) & ACCESSED, 0);
+    }
+
+    #[test]
+    fn faults_carry_the_error_code_the_processor_gives() {
+        let ram = Ram::new();
+        let kernel = long_mode(&ram, false);
+        // Not present: P=0; a write: W=1.
+        let fault = kernel.translate(&ram, 0x40_0000_3000, true).unwrap_err();
+        assert_eq!((fault.linear, fault.error_code), (0x40_0000_3000, 0b010));
+        // A supervisor write to a read-only page with CR0.WP: P=1, W=1.
+        let fault = kernel.translate(&ram, 0x40_0000_1000, true).unwrap_err();
+        assert_eq!(fault.error_code, 0b011);
+        // Without CR0.WP the supervisor may write it.
+        let no_wp = Mmu {
+            cr0: CR0_PG,
+            ..kernel
+        };
+        assert!(no_wp.translate(&ram, 0x40_0000_1000, true).is_ok());
+        // User mode: the 1 GiB supervisor page is refused (P=1, U=1).
+        let user = long_mode(&ram, true);
+        let fault = user.translate(&ram, 0x80_0000_0000, false).unwrap_err();
+        assert_eq!(fault.error_code, 0b101);
+        assert_eq!(user.translate(&ram, 0x40_0000_1008, false), Ok(0x20_5008));
+        // A table outside RAM: the reserved bit.
+        ram.set(PD + 16, 0x1000_0000 | RW);
+        let fault = kernel.translate(&ram, 0x40_0040_0000, false).unwrap_err();
+        assert_eq!(fault.error_code & 0b1000, 0b1000);
+    }
+
+    #[test]
+    fn paging_off_and_32_bit_modes() {
+        let ram = Ram::new();
+        let off = Mmu {
+            cr0: 0,
+            cr3: 0,
+            cr4: 0,
+            efer: 0,
+            user: false,
+        };
+        assert_eq!(off.translate(&ram, 0x1234_5678, true), Ok(0x1234_5678));
+        // 32-bit paging: a 4 MiB page (PSE) and a 4 KiB page.
+        ram.set(PD, 0x0040_0000 | LARGE | RW); // 0..4 MiB -> 4 MiB
+        ram.set(PD + 4, PT | RW); // 4..8 MiB through PT
+        ram.set(PT + 4 * 2, 0x7000 | RW);
+        let pse = Mmu {
+            cr0: CR0_PG,
+            cr3: PD,
+            cr4: CR4_PSE,
+            efer: 0,
+            user: false,
+        };
+        assert_eq!(pse.translate(&ram, 0x0012_3456, false), Ok(0x0052_3456));
+        assert_eq!(pse.translate(&ram, 0x0040_2abc, false), Ok(0x7abc));
+    }
+}

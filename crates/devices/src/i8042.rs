@@ -75,6 +75,22 @@ const CTRL_ALT_DEL_SET2: [u8; 11] = [
     0x14, 0x11, 0xe0, 0x71, 0xe0, 0xf0, 0x71, 0xf0, 0x11, 0xf0, 0x14,
 ];
 
+/// What the keyboard answers: acknowledge, self-test passed, resend (unknown command), echo.
+const KBD_ACK: u8 = 0xfa;
+const KBD_SELF_TEST_PASSED: u8 = 0xaa;
+const KBD_RESEND: u8 = 0xfe;
+const KBD_ECHO: u8 = 0xee;
+/// Keyboard commands followed by a parameter byte: set LEDs, set typematic rate, get/set
+/// scancode set.
+const KBD_CMD_SET_LEDS: u8 = 0xed;
+const KBD_CMD_SET_RATE: u8 = 0xf3;
+const KBD_CMD_SCANCODE_SET: u8 = 0xf0;
+const KBD_CMD_GET_ID: u8 = 0xf2;
+const KBD_CMD_RESET: u8 = 0xff;
+/// An MF2 keyboard's ID, second byte as the guest reads it without and with translation.
+const KBD_ID: [u8; 2] = [0xab, 0x83];
+const KBD_ID_TRANSLATED: [u8; 2] = [0xab, 0x41];
+
 /// Output port bit 0 drives the CPU reset line (active low).
 const OUTPUT_PORT_RESET: u8 = 0x01;
 /// Output port as read back: reset line high, A20 enabled.
@@ -97,6 +113,9 @@ pub struct I8042State {
     /// Key bytes dropped because the queue was full.
     #[serde(default)]
     pub keyboard_dropped: u64,
+    /// A keyboard command waiting for its parameter byte (absent in old snapshots).
+    #[serde(default)]
+    pub keyboard_command: Option<u8>,
 }
 
 impl Default for I8042State {
@@ -108,6 +127,7 @@ impl Default for I8042State {
             last_write_was_command: false,
             keyboard_queue: VecDeque::new(),
             keyboard_dropped: 0,
+            keyboard_command: None,
         }
     }
 }
@@ -226,6 +246,14 @@ impl I8042 {
                 ),
             ));
         }
+        if let Some(cmd) = state.keyboard_command {
+            if !keyboard_takes_parameter(cmd) {
+                return Err(StateError::new(
+                    "i8042",
+                    format!("pending keyboard command {cmd:#04x} takes no parameter"),
+                ));
+            }
+        }
         if let Some(cmd) = state.pending_command {
             if !takes_parameter(cmd) {
                 return Err(StateError::new(
@@ -291,11 +319,67 @@ impl I8042 {
             // RAM bytes other than the CTR, output port writes that keep
             // the reset line high, bytes for the (absent) mouse.
             Some(_) => {}
-            // A byte for the (absent) keyboard.
-            None => {}
+            None => self.keyboard_byte(value),
         }
         self.deliver_key_byte();
     }
+
+    /// A byte for the keyboard: a command or a command's parameter. The keyboard answers
+    /// what an MF2 keyboard answers (ACK, its ID, its self-test result), which is what a
+    /// driver (Linux's atkbd) probes before it takes the keyboard, and so before a
+    /// Ctrl+Alt+Del from the API can reach it.
+    fn keyboard_byte(&mut self, value: u8) {
+        if let Some(cmd) = self.state.keyboard_command.take() {
+            let asks_for_set = cmd == KBD_CMD_SCANCODE_SET && value == 0;
+            self.keyboard_reply(if asks_for_set {
+                &[KBD_ACK, 2]
+            } else {
+                &[KBD_ACK]
+            });
+            return;
+        }
+        match value {
+            cmd if keyboard_takes_parameter(cmd) => {
+                self.state.keyboard_command = Some(cmd);
+                self.keyboard_reply(&[KBD_ACK]);
+            }
+            KBD_CMD_GET_ID => {
+                let id = if self.state.ctr & CTR_XLATE != 0 {
+                    KBD_ID_TRANSLATED
+                } else {
+                    KBD_ID
+                };
+                self.keyboard_reply(&[KBD_ACK, id[0], id[1]]);
+            }
+            KBD_ECHO => self.keyboard_reply(&[KBD_ECHO]),
+            KBD_CMD_RESET => {
+                self.state.keyboard_queue.clear();
+                self.keyboard_reply(&[KBD_ACK, KBD_SELF_TEST_PASSED]);
+            }
+            // Enable, disable, defaults and the typematic/make-break modes.
+            0xf4..=0xfe => self.keyboard_reply(&[KBD_ACK]),
+            _ => self.keyboard_reply(&[KBD_RESEND]),
+        }
+    }
+
+    /// Queues the keyboard's answer; if the queue is full, the oldest key bytes give way
+    /// (a driver waiting for an answer must get it).
+    fn keyboard_reply(&mut self, bytes: &[u8]) {
+        let queue = &mut self.state.keyboard_queue;
+        while queue.len() + bytes.len() > KEYBOARD_QUEUE_BYTES {
+            queue.pop_front();
+            self.state.keyboard_dropped += 1;
+        }
+        queue.extend(bytes);
+    }
+}
+
+/// Keyboard commands followed by a parameter byte.
+fn keyboard_takes_parameter(cmd: u8) -> bool {
+    matches!(
+        cmd,
+        KBD_CMD_SET_LEDS | KBD_CMD_SET_RATE | KBD_CMD_SCANCODE_SET
+    )
 }
 
 /// Commands followed by a parameter byte on the data port.
@@ -422,8 +506,10 @@ mod tests {
         bus.write(COMMAND_PORT, &[CMD_READ_CTR]);
         assert_eq!(inb(&bus, DATA_PORT), ctr & !CTR_KBD_INT);
 
-        // Keyboard bytes vanish.
+        // The keyboard answers its ID (the interrupt is off, so the driver polls).
         bus.write(DATA_PORT, &[0xf2]);
+        let id: Vec<u8> = (0..3).map(|_| inb(&bus, DATA_PORT)).collect();
+        assert_eq!(id, [KBD_ACK, 0xab, 0x41], "translated MF2 ID");
         assert_eq!(inb(&bus, COMMAND_PORT) & STATUS_OBF, 0);
         assert!(!exit.is_requested());
 
@@ -633,5 +719,27 @@ mod tests {
         let mut other = I8042::new(Arc::new(ExitRequest::new().unwrap()));
         other.restore(&st).unwrap();
         assert_eq!(other.state(), st);
+    }
+
+    /// What Linux's atkbd sends when it probes and activates the keyboard, and what an MF2
+    /// keyboard answers (with translation off: the ID's second byte untranslated).
+    #[test]
+    fn keyboard_answers_a_drivers_probe() {
+        let (_chip, bus, _dev) = keyboard_setup();
+        write_ctr(&bus, CTR_KBD_INT | CTR_SYS);
+        let exchange = |bytes: &[u8]| -> Vec<u8> {
+            for &b in bytes {
+                bus.write(DATA_PORT, &[b]);
+            }
+            read_keys(&bus)
+        };
+        assert_eq!(exchange(&[0xff]), [KBD_ACK, KBD_SELF_TEST_PASSED]);
+        assert_eq!(exchange(&[0xf2]), [KBD_ACK, 0xab, 0x83]);
+        assert_eq!(exchange(&[0xed, 0x00]), [KBD_ACK, KBD_ACK]);
+        assert_eq!(exchange(&[0xf3, 0x20]), [KBD_ACK, KBD_ACK]);
+        assert_eq!(exchange(&[0xf0, 0x00]), [KBD_ACK, KBD_ACK, 2]);
+        assert_eq!(exchange(&[0xf4]), [KBD_ACK]);
+        assert_eq!(exchange(&[0xee]), [KBD_ECHO]);
+        assert_eq!(exchange(&[0x01]), [KBD_RESEND]);
     }
 }
