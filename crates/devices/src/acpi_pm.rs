@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::bus::{Bus, BusDevice, BusError};
+use crate::bus::{Bus, BusDeviceMut, BusError};
 use crate::exit::{ExitReason, ExitRequest};
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::serial::{IrqLine, NoIrq};
@@ -357,7 +357,7 @@ impl AcpiPm {
     }
 }
 
-impl BusDevice for AcpiPm {
+impl BusDeviceMut for AcpiPm {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         let img = self.image();
         for (i, b) in data.iter_mut().enumerate() {

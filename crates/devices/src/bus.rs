@@ -3,17 +3,24 @@
 //!
 //! The bus is built once, before any vCPU runs, and is then shared read-only
 //! (`Arc<Bus>`) by every vCPU thread. A lookup is a `BTreeMap` range query and
-//! the only lock taken on an access is the one of the device that claims the
-//! address: two vCPUs talking to two different devices never contend, and no
-//! global lock sits on the exit fast path (an AP spinning on a port must not
-//! starve the BSP).
+//! the bus itself takes no lock: it calls the device through `&self`
+//! ([`BusDevice`]), and the device locks only the state it owns. Two vCPUs
+//! talking to two different devices never contend, and no global lock sits on
+//! the exit fast path (an AP spinning on a port must not starve the BSP).
+//!
+//! A device whose registers are one piece of state implements [`BusDeviceMut`]
+//! and goes on the bus inside a `Mutex`: that mutex is the device's own lock.
+//! A device that fans out to others (the PCI BAR windows) implements
+//! [`BusDevice`] directly, so that it never holds a lock while the device it
+//! forwards to runs.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
-/// A device reachable through a [`Bus`].
+/// A device reachable through a [`Bus`]: served through a shared reference,
+/// from any vCPU thread at once, locking only what the device owns.
 ///
 /// `offset` is relative to the base of the range the device was inserted at
 /// (plus the range's device offset, see [`Bus::insert_with_offset`]), so a
@@ -21,11 +28,37 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 /// the access size chosen by the guest (it can be anything, including 0 or
 /// more than 8, and implementations must not panic on any size); the bus
 /// guarantees that the whole access lies inside the registered range.
-pub trait BusDevice: Send {
+pub trait BusDevice: Send + Sync {
+    /// Serves a guest read: fill `data` (every byte of it).
+    fn read(&self, offset: u64, data: &mut [u8]);
+    /// Serves a guest write.
+    fn write(&self, offset: u64, data: &[u8]);
+}
+
+/// A device whose registers are one piece of state, served one access at a
+/// time: a `Mutex<D>` around it is its [`BusDevice`]. Same contract for
+/// `offset` and `data` as [`BusDevice`].
+pub trait BusDeviceMut: Send {
     /// Serves a guest read: fill `data` (every byte of it).
     fn read(&mut self, offset: u64, data: &mut [u8]);
     /// Serves a guest write.
     fn write(&mut self, offset: u64, data: &[u8]);
+}
+
+/// The device's own mutex, taken even if a previous holder panicked: one
+/// broken device must not take down every vCPU thread that later touches it.
+impl<D: BusDeviceMut + ?Sized> BusDevice for Mutex<D> {
+    fn read(&self, offset: u64, data: &mut [u8]) {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .read(offset, data);
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .write(offset, data);
+    }
 }
 
 /// Serves a wider access to a device of byte-wide registers as byte reads of consecutive
@@ -86,7 +119,7 @@ struct Range {
     last: u64,
     /// Added to `addr - base` before the device sees it.
     device_offset: u64,
-    device: Arc<Mutex<dyn BusDevice>>,
+    device: Arc<dyn BusDevice>,
 }
 
 /// Maps address ranges to devices.
@@ -119,7 +152,7 @@ impl Bus {
     /// starting at 0.
     pub fn insert(
         &mut self,
-        device: Arc<Mutex<dyn BusDevice>>,
+        device: Arc<dyn BusDevice>,
         base: u64,
         len: u64,
     ) -> Result<(), BusError> {
@@ -135,7 +168,7 @@ impl Bus {
     /// it is inserted twice, at 0x60 with offset 0 and at 0x64 with offset 4.
     pub fn insert_with_offset(
         &mut self,
-        device: Arc<Mutex<dyn BusDevice>>,
+        device: Arc<dyn BusDevice>,
         base: u64,
         len: u64,
         device_offset: u64,
@@ -208,7 +241,7 @@ impl Bus {
             return false;
         };
         if !data.is_empty() {
-            lock(&r.device).read(offset, data);
+            r.device.read(offset, data);
         }
         true
     }
@@ -219,7 +252,7 @@ impl Bus {
             return false;
         };
         if !data.is_empty() {
-            lock(&r.device).write(offset, data);
+            r.device.write(offset, data);
         }
         true
     }
@@ -228,12 +261,6 @@ impl Bus {
     pub fn ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.ranges.iter().map(|(&first, r)| (first, r.last))
     }
-}
-
-/// Locks a device even if a previous holder panicked: one broken device must
-/// not take down every vCPU thread that later touches it.
-fn lock<'a>(device: &'a Mutex<dyn BusDevice + 'static>) -> MutexGuard<'a, dyn BusDevice + 'static> {
-    device.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// At most this many distinct unclaimed addresses are remembered (and logged)
@@ -357,7 +384,7 @@ mod tests {
         reads: Vec<(u64, usize)>,
     }
 
-    impl BusDevice for Probe {
+    impl BusDeviceMut for Probe {
         fn read(&mut self, offset: u64, data: &mut [u8]) {
             self.reads.push((offset, data.len()));
             for (i, b) in data.iter_mut().enumerate() {
@@ -542,6 +569,52 @@ mod tests {
             t.join().unwrap();
         }
         assert_eq!(dev.lock().unwrap().writes.len(), 400);
+    }
+
+    /// Holds its own lock until released, as a device busy in its handler.
+    struct Stuck {
+        entered: Mutex<std::sync::mpsc::Sender<()>>,
+        release: Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl BusDevice for Stuck {
+        fn read(&self, _offset: u64, data: &mut [u8]) {
+            let release = self.release.lock().unwrap();
+            let _ = self.entered.lock().unwrap().send(());
+            let _ = release.recv();
+            data.fill(0);
+        }
+        fn write(&self, _offset: u64, _data: &[u8]) {}
+    }
+
+    /// The bus takes no lock of its own: a device stopped in its handler delays only
+    /// accesses to itself.
+    #[test]
+    fn a_stuck_device_never_delays_another() {
+        use std::sync::mpsc::channel;
+        let (entered_tx, entered) = channel();
+        let (release, release_rx) = channel();
+        let stuck = Stuck {
+            entered: Mutex::new(entered_tx),
+            release: Mutex::new(release_rx),
+        };
+        let mut bus = Bus::new();
+        bus.insert(Arc::new(stuck), 0x10, 1).unwrap();
+        let other = probe();
+        bus.insert(other.clone(), 0x20, 1).unwrap();
+        let bus = &bus;
+        std::thread::scope(|s| {
+            s.spawn(move || bus.read(0x10, &mut [0u8; 1]));
+            entered.recv().unwrap();
+            let (done_tx, done) = channel();
+            s.spawn(move || {
+                let _ = done_tx.send(bus.write(0x20, &[7]));
+            });
+            let served = done.recv_timeout(std::time::Duration::from_secs(20));
+            release.send(()).unwrap();
+            assert_eq!(served, Ok(true), "the second device waited for the first");
+        });
+        assert_eq!(other.lock().unwrap().writes, vec![(0, vec![7])]);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::bus::{Bus, BusDevice, BusError};
+use crate::bus::{Bus, BusDeviceMut, BusError};
 use crate::exit::{ExitReason, ExitRequest};
 
 /// The port QEMU's default `isa-debug-exit,iobase=0xf4` uses.
@@ -36,7 +36,7 @@ impl DebugExit {
     }
 }
 
-impl BusDevice for DebugExit {
+impl BusDeviceMut for DebugExit {
     fn read(&mut self, _offset: u64, data: &mut [u8]) {
         data.fill(0);
     }

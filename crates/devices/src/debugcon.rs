@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::bus::{Bus, BusDevice, BusError};
+use crate::bus::{Bus, BusDeviceMut, BusError};
 
 /// The port.
 pub const PORT: u64 = 0x402;
@@ -36,7 +36,7 @@ impl DebugCon {
     }
 }
 
-impl BusDevice for DebugCon {
+impl BusDeviceMut for DebugCon {
     fn read(&mut self, _offset: u64, data: &mut [u8]) {
         data.fill(PRESENT);
     }

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use crate::bus::{Bus, BusDevice, BusError};
+use crate::bus::{Bus, BusDeviceMut, BusError};
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
 
@@ -255,7 +255,7 @@ fn check_size(data: &[u8]) -> Result<(), FwCfgError> {
     Ok(())
 }
 
-impl BusDevice for FwCfg {
+impl BusDeviceMut for FwCfg {
     /// Only byte reads of the data port return item bytes (that is what
     /// QEMU's port interface accepts); anything else reads as zero.
     fn read(&mut self, offset: u64, data: &mut [u8]) {

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use crate::bus::{Bus, BusDevice, BusError};
+use crate::bus::{Bus, BusDeviceMut, BusError};
 use crate::exit::{ExitReason, ExitRequest};
 use crate::irqchip::IrqPin;
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
@@ -395,7 +395,7 @@ fn takes_parameter(cmd: u8) -> bool {
     )
 }
 
-impl BusDevice for I8042 {
+impl BusDeviceMut for I8042 {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         let Some((first, rest)) = data.split_first_mut() else {
             return;

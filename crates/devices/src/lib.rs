@@ -53,7 +53,7 @@ pub mod rtc;
 pub mod serial;
 pub mod state;
 
-pub use bus::{Bus, BusDevice, BusError, IoDispatcher};
+pub use bus::{Bus, BusDevice, BusDeviceMut, BusError, IoDispatcher};
 pub use exit::{ExitReason, ExitRequest};
 pub use lifecycle::{DeviceState, Lifecycle, LifecycleError};
 pub use state::StateError;

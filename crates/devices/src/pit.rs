@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::bus::{read_bytewise, write_bytewise, Bus, BusDevice, BusError};
+use crate::bus::{read_bytewise, write_bytewise, Bus, BusDeviceMut, BusError};
 use crate::irqchip::TimerWaker;
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
@@ -724,7 +724,7 @@ impl Pit {
     }
 }
 
-impl BusDevice for Pit {
+impl BusDeviceMut for Pit {
     /// A wider access is split into byte accesses to consecutive ports.
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         let now = Instant::now();

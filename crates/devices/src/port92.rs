@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use crate::bus::{Bus, BusDevice, BusError};
+use crate::bus::{Bus, BusDeviceMut, BusError};
 use crate::exit::{ExitReason, ExitRequest};
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
@@ -61,7 +61,7 @@ impl Port92 {
     }
 }
 
-impl BusDevice for Port92 {
+impl BusDeviceMut for Port92 {
     fn read(&mut self, _offset: u64, data: &mut [u8]) {
         data.fill(0);
         if let Some(b) = data.first_mut() {

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::bus::{read_bytewise, write_bytewise, Bus, BusDevice, BusError};
+use crate::bus::{read_bytewise, write_bytewise, Bus, BusDeviceMut, BusError};
 use crate::irqchip::{IrqPin, TimerWaker};
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::state::StateError;
@@ -697,7 +697,7 @@ fn ticks32(ns: u64) -> u64 {
     (u128::from(ns) * u128::from(RTC_FREQ_HZ) / u128::from(NANOS_PER_SEC)) as u64
 }
 
-impl BusDevice for Rtc {
+impl BusDeviceMut for Rtc {
     /// A wider access is split into byte accesses to consecutive ports.
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         let now = Instant::now();

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use vm_superio::serial::SerialEvents;
 use vm_superio::{Serial, SerialState as UartState, Trigger};
 
-use crate::bus::{Bus, BusDevice, BusError};
+use crate::bus::{Bus, BusDeviceMut, BusError};
 use crate::exit::Waker;
 use crate::lifecycle::{DeviceState, Lifecycle, LifecycleError};
 use crate::output::{OutputQueue, QueuedWriter, OUTPUT_QUEUE_BYTES};
@@ -418,7 +418,7 @@ fn open_output(path: &Path) -> Result<File, SerialError> {
     Ok(file)
 }
 
-impl BusDevice for SerialDevice {
+impl BusDeviceMut for SerialDevice {
     /// A wider-than-byte access is split into byte accesses to consecutive
     /// registers, as an 8-bit ISA device sees it.
     fn read(&mut self, offset: u64, data: &mut [u8]) {

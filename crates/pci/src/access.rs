@@ -1,13 +1,20 @@
 //! The guest's ways into the bus: configuration mechanism #1 (ports 0xcf8–0xcff), ECAM,
 //! and the BAR windows. Each is a [`BusDevice`] on the machine's (immutable) PIO or MMIO
-//! bus; configuration accesses go to [`PciBus`], BAR accesses through the dispatch table
-//! the bus keeps up to date.
+//! bus, served through `&self`; configuration accesses go to [`PciBus`], BAR accesses
+//! through the dispatch table the bus keeps up to date.
+//!
+//! A BAR access takes no lock but the function's own: the window reads the current table
+//! without a lock ([`ArcSwap`]) and calls the function. Two vCPUs using two functions
+//! never wait on each other, even while one function is slow (a virtio device pausing
+//! its I/O threads).
 
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use devices::bus::BusDevice;
 
-use crate::bus::{BarTable, PciBus, Space};
+use crate::bus::{BarTable, PciBus, SharedDevice, Space};
 
 /// Configuration address register: enable bit.
 const CONFIG_ENABLE: u32 = 1 << 31;
@@ -54,37 +61,38 @@ fn write_config(bus: &PciBus, at: ConfigAddress, data: &[u8]) {
     );
 }
 
-/// Configuration mechanism #1: the address latch at 0xcf8 (dword accesses only; other
-/// sizes there reach nothing, as on a PC where 0xcf9 is another register) and the data
-/// window at 0xcfc–0xcff.
 /// Port 0xcf9 within the configuration ports.
 const RESET_CONTROL_OFFSET: u64 = 1;
 const RESET_HARD: u8 = 1 << 1;
 const RESET_CPU: u8 = 1 << 2;
 
+/// Configuration mechanism #1: the address latch at 0xcf8 (dword accesses only; other
+/// sizes there reach nothing, as on a PC where 0xcf9 is another register) and the data
+/// window at 0xcfc–0xcff. Its two registers are atomics: one vCPU's configuration cycle
+/// never waits on another's (the latch is shared by all vCPUs, as on real hardware).
 pub struct ConfigPorts {
     bus: Arc<PciBus>,
-    address: u32,
+    address: AtomicU32,
     /// The PIIX reset control register, a byte at 0xcf9 (inside the address dword's
     /// ports, told apart by its width): bit 1 selects a hard reset, bit 2 resets the CPU.
-    reset_control: u8,
+    reset_control: AtomicU8,
 }
 
 impl ConfigPorts {
     pub fn new(bus: Arc<PciBus>) -> Self {
         ConfigPorts {
             bus,
-            address: 0,
-            reset_control: 0,
+            address: AtomicU32::new(0),
+            reset_control: AtomicU8::new(0),
         }
     }
 
     /// Where the data ports point, or `None` while the enable bit is clear.
     fn target(&self, data_offset: u64) -> Option<ConfigAddress> {
-        if self.address & CONFIG_ENABLE == 0 {
+        let a = self.address.load(Ordering::Acquire);
+        if a & CONFIG_ENABLE == 0 {
             return None;
         }
-        let a = self.address;
         Some(ConfigAddress {
             bus: (a >> 16) as u8,
             device: ((a >> 11) & 0x1f) as u8,
@@ -95,10 +103,14 @@ impl ConfigPorts {
 }
 
 impl BusDevice for ConfigPorts {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
+    fn read(&self, offset: u64, data: &mut [u8]) {
         match offset {
-            0 if data.len() == 4 => data.copy_from_slice(&self.address.to_le_bytes()),
-            RESET_CONTROL_OFFSET if data.len() == 1 => data[0] = self.reset_control,
+            0 if data.len() == 4 => {
+                data.copy_from_slice(&self.address.load(Ordering::Acquire).to_le_bytes())
+            }
+            RESET_CONTROL_OFFSET if data.len() == 1 => {
+                data[0] = self.reset_control.load(Ordering::Acquire)
+            }
             DATA_OFFSET..=7 => match self.target(offset - DATA_OFFSET) {
                 Some(at) => read_config(&self.bus, at, data),
                 None => data.fill(0xff),
@@ -107,19 +119,21 @@ impl BusDevice for ConfigPorts {
         }
     }
 
-    fn write(&mut self, offset: u64, data: &[u8]) {
+    fn write(&self, offset: u64, data: &[u8]) {
         match offset {
             0 => {
                 if let Ok(bytes) = <[u8; 4]>::try_from(data) {
-                    self.address = u32::from_le_bytes(bytes) & CONFIG_ADDRESS_MASK;
+                    let address = u32::from_le_bytes(bytes) & CONFIG_ADDRESS_MASK;
+                    self.address.store(address, Ordering::Release);
                 }
             }
             RESET_CONTROL_OFFSET if data.len() == 1 => {
                 let value = data[0] & (RESET_HARD | RESET_CPU);
-                if value & RESET_CPU != 0 && self.reset_control & RESET_CPU == 0 {
+                // The reset fires on the CPU bit's rising edge, once however many race.
+                let before = self.reset_control.swap(value, Ordering::AcqRel);
+                if value & RESET_CPU != 0 && before & RESET_CPU == 0 {
                     self.bus.request_reset();
                 }
-                self.reset_control = value;
             }
             DATA_OFFSET..=7 => {
                 if let Some(at) = self.target(offset - DATA_OFFSET) {
@@ -153,11 +167,11 @@ fn ecam_address(offset: u64) -> ConfigAddress {
 }
 
 impl BusDevice for Ecam {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
+    fn read(&self, offset: u64, data: &mut [u8]) {
         read_config(&self.bus, ecam_address(offset), data);
     }
 
-    fn write(&mut self, offset: u64, data: &[u8]) {
+    fn write(&self, offset: u64, data: &[u8]) {
         write_config(&self.bus, ecam_address(offset), data);
     }
 }
@@ -167,24 +181,25 @@ impl BusDevice for Ecam {
 pub struct BarWindow {
     base: u64,
     space: Space,
-    table: Arc<RwLock<BarTable>>,
+    table: Arc<ArcSwap<BarTable>>,
 }
 
 impl BarWindow {
-    pub(crate) fn new(base: u64, space: Space, table: Arc<RwLock<BarTable>>) -> Self {
+    pub(crate) fn new(base: u64, space: Space, table: Arc<ArcSwap<BarTable>>) -> Self {
         BarWindow { base, space, table }
     }
 
-    fn find(&self, offset: u64, len: usize) -> Option<(crate::bus::SharedDevice, usize, u64)> {
+    /// The function decoding `[offset, offset + len)`, its BAR and the offset in it, read
+    /// from the table as it is now without a lock (a BAR moving meanwhile publishes a new
+    /// table; this access completes against the one it read, as if it came first).
+    fn find(&self, offset: u64, len: usize) -> Option<(SharedDevice, usize, u64)> {
         let addr = self.base.checked_add(offset)?;
-        // The table lock is released before the device is locked: no path holds both.
-        let table = self.table.read().unwrap_or_else(|e| e.into_inner());
-        table.lookup(self.space, addr, len)
+        self.table.load().lookup(self.space, addr, len)
     }
 }
 
 impl BusDevice for BarWindow {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
+    fn read(&self, offset: u64, data: &mut [u8]) {
         match self.find(offset, data.len()) {
             Some((device, bar, at)) => device
                 .lock()
@@ -194,7 +209,7 @@ impl BusDevice for BarWindow {
         }
     }
 
-    fn write(&mut self, offset: u64, data: &[u8]) {
+    fn write(&self, offset: u64, data: &[u8]) {
         if let Some((device, bar, at)) = self.find(offset, data.len()) {
             device
                 .lock()

@@ -24,6 +24,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use arc_swap::ArcSwap;
+
 use devices::bus::{Bus, BusError};
 use devices::irqchip::IrqChip;
 use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
@@ -240,7 +242,8 @@ pub struct PciBus {
     /// 0xcf9).
     reset: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
     allocators: Mutex<Allocators>,
-    table: Arc<RwLock<BarTable>>,
+    /// What the BAR windows dispatch by: replaced whole, read without a lock.
+    table: Arc<ArcSwap<BarTable>>,
     derived: Mutex<Derived>,
     intx: Arc<IntxRouter>,
 }
@@ -288,7 +291,7 @@ impl PciBus {
             functions: RwLock::default(),
             reset: std::sync::OnceLock::new(),
             allocators: Mutex::new(allocators),
-            table: Arc::new(RwLock::new(BarTable::default())),
+            table: Arc::new(ArcSwap::from_pointee(BarTable::default())),
             derived: Mutex::new(Derived::default()),
             intx: IntxRouter::new(irqchip),
         })
@@ -311,18 +314,14 @@ impl PciBus {
     /// machine is being built.
     pub fn register(self: &Arc<Self>, pio: &mut Bus, mmio: &mut Bus) -> Result<(), BusError> {
         pio.insert(
-            Arc::new(Mutex::new(ConfigPorts::new(self.clone()))),
+            Arc::new(ConfigPorts::new(self.clone())),
             CONFIG_ADDRESS_PORT,
             CONFIG_PORTS_LEN,
         )?;
         let io = self.layout.io;
         pio.insert(self.window(io, Space::Io), io.base, io.size)?;
         let ecam = self.layout.ecam;
-        mmio.insert(
-            Arc::new(Mutex::new(Ecam::new(self.clone()))),
-            ecam.base,
-            ecam.size,
-        )?;
+        mmio.insert(Arc::new(Ecam::new(self.clone())), ecam.base, ecam.size)?;
         let (w32, ecam) = (self.layout.mmio32, self.layout.ecam);
         let window32 = self.window(w32, Space::Memory);
         if w32.contains(ecam.base, ecam.size) {
@@ -343,12 +342,8 @@ impl PciBus {
         Ok(())
     }
 
-    fn window(&self, w: Window, space: Space) -> Arc<Mutex<BarWindow>> {
-        Arc::new(Mutex::new(BarWindow::new(
-            w.base,
-            space,
-            self.table.clone(),
-        )))
+    fn window(&self, w: Window, space: Space) -> Arc<BarWindow> {
+        Arc::new(BarWindow::new(w.base, space, self.table.clone()))
     }
 
     /// Adds `device` at the lowest free slot from 1 on and returns the slot. See
@@ -640,7 +635,7 @@ impl PciBus {
                 base: decoded.get(&(slot, bar)).copied(),
             })
             .collect();
-        *self.table.write().unwrap_or_else(|e| e.into_inner()) = table;
+        self.table.store(Arc::new(table));
         derived.decoded = decoded;
         moved
     }

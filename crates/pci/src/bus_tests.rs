@@ -1,6 +1,7 @@
 //! Tests of the bus through the guest's ways in: CF8 ports, ECAM and the BAR windows, on
 //! a machine bus as the VMM builds it.
 
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 use devices::bus::Bus;
@@ -35,6 +36,9 @@ struct TestFn {
     name: String,
     moved: Vec<(usize, Option<u64>)>,
     writes: Vec<(usize, u64, Vec<u8>)>,
+    /// Set: each BAR read says it started, then waits to be let go (as a virtio
+    /// function's accesses wait while it pauses its I/O threads).
+    stall: Option<(Sender<()>, Receiver<()>)>,
 }
 
 impl TestFn {
@@ -56,6 +60,7 @@ impl TestFn {
             name: name.into(),
             moved: Vec::new(),
             writes: Vec::new(),
+            stall: None,
         }))
     }
 }
@@ -83,6 +88,10 @@ impl PciDevice for TestFn {
         self.config.write(offset, sub, data)
     }
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
+        if let Some((entered, release)) = &self.stall {
+            let _ = entered.send(());
+            let _ = release.recv();
+        }
         for (i, b) in data.iter_mut().enumerate() {
             *b = ((bar as u8) << 4) | ((offset as u8).wrapping_add(i as u8) & 0xf);
         }
@@ -828,4 +837,48 @@ fn a_window_around_ecam_decodes_both_sides() {
     // ECAM is still ECAM.
     assert!(mmio.read(ECAM, &mut d));
     assert_eq!(u32::from_le_bytes(d), 0x1237_8086);
+}
+
+/// No BAR access waits on another function: while one function's handler is stopped
+/// inside a BAR read on one thread, another thread reaches a second function's memory
+/// BAR (in the same window), its I/O BAR and its configuration space.
+#[test]
+fn a_stalled_function_never_delays_another_functions_bars() {
+    use std::sync::mpsc::channel;
+    use std::time::Duration;
+    let m = Machine::new();
+    let (entered_tx, entered) = channel();
+    let (release, release_rx) = channel();
+    let a = TestFn::new("a", &[bar(0, 0x1000, BarKind::Memory32)]);
+    a.lock().unwrap().stall = Some((entered_tx, release_rx));
+    let sa = m.pci.add_device(a).unwrap();
+    let b = TestFn::new(
+        "b",
+        &[bar(0, 0x1000, BarKind::Memory32), bar(1, 0x40, BarKind::Io)],
+    );
+    let sb = m.pci.add_device(b).unwrap();
+    let bar_a = m.pci.bar_address(sa, 0).unwrap();
+    let bar_b = m.pci.bar_address(sb, 0).unwrap();
+    let io_b = m.pci.bar_address(sb, 1).unwrap();
+    let m = &m;
+    std::thread::scope(|s| {
+        let a_reader = s.spawn(move || m.mem_read(bar_a));
+        entered.recv().unwrap();
+        let (done_tx, done) = channel();
+        s.spawn(move || {
+            let mem = m.mem_read(bar_b + 4);
+            let mut io = [0u8; 2];
+            assert!(m.pio.read(io_b, &mut io));
+            let vendor = m.cf8_read(sb, 0, 2);
+            let _ = done_tx.send((mem, io, vendor));
+        });
+        // Generous: it fails only if B waits for A (forever, until A is released).
+        let served = done.recv_timeout(Duration::from_secs(20));
+        release.send(()).unwrap();
+        let (mem, io, vendor) = served.expect("function B waited for function A");
+        assert_eq!(mem, Some(0x0706_0504));
+        assert_eq!(io, [0x10, 0x11]);
+        assert_eq!(vendor, 0x1af4);
+        assert_eq!(a_reader.join().unwrap(), Some(0x0302_0100));
+    });
 }

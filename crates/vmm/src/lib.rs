@@ -6,6 +6,7 @@ pub mod config;
 mod console;
 mod control;
 mod cpu_setup;
+mod device_manager;
 mod error;
 mod files;
 pub mod firmware;

@@ -7,41 +7,29 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
 use crate::power::PowerControl;
-use devices::acpi_pm::AcpiPm;
-use devices::bus::{Bus, IoDispatcher};
-use devices::debug_exit::DebugExit;
+use devices::bus::IoDispatcher;
 use devices::exit::{ExitReason, ExitRequest, Waker};
-use devices::fw_cfg::FwCfg;
 use devices::i8042::I8042;
-use devices::irqchip::{IrqChip, IrqPin};
-use devices::pit::Pit;
-use devices::rtc::Rtc;
 use devices::serial::SerialDevice;
 use hypervisor::{open_accelerator_with, AccelOptions, SegmentRegister, StandardRegisters, Vcpu};
-use pci::{HostBridge, PciBus, PciLayout, Window};
 
 use crate::api::{Api, MachineInfo, MachineOps, Server};
 use crate::config::{IrqChipKind, StartFrom, VmConfig};
 use crate::control::RunControl;
+use crate::device_manager::{ram_below_and_above_4g, DeviceContext, DeviceManager};
 use crate::error::{Error, Result};
 use crate::firmware;
-use crate::irqchip::MachineIrqChip;
 use crate::memory::{self, GuestMemory};
-use crate::platform::{add_virtio_devices, PciHandles, PlatformDevices, VirtioContext};
 use crate::restore::RestoreOptions;
 use crate::runstate::{RunState, Supervisor};
 use crate::snapshot::{self, Core};
 use crate::socket::SocketGuard;
-use crate::state::{DeviceList, SharedDevice};
-use crate::timers::{TimerDevices, TimerThread, TimerWake};
+use crate::state::DeviceList;
+use crate::timers::{TimerDevices, TimerThread};
 use crate::vcpu::{self, VcpuContext, VcpuThread};
 
 /// How long the guest's last console output may take to reach its reader at exit.
 const SERIAL_DRAIN_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
-/// The ACPI SCI line, as the FADT and MADT advertise it.
-const ACPI_SCI_IRQ: u32 = 9;
-/// The CMOS RTC's periodic/alarm/update interrupt.
-const RTC_IRQ: u32 = 8;
 
 /// How the machine ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,30 +194,17 @@ fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
     File::open(path).map_err(|e| file_error(format!("cannot open: {e}")))
 }
 
-impl Machine {
-    fn build(config: &VmConfig, attached: Option<Arc<Server>>) -> Result<Self> {
-        // A snapshot decides the machine's shape.
-        let mut config = config.clone();
-        if let StartFrom::Restore(path) = &config.start {
-            let saved = snapshot::peek_snapshot_config(path)?;
-            check_shape_against_snapshot(&config, &saved)?;
-            crate::recorded::apply_to_restore(&mut config, saved.devices.as_ref())?;
-            config.memory = saved.memory_size;
-            config.memory_text = format!("{}", saved.memory_size);
-            config.cpus = saved.vcpus;
-            config.irqchip = match saved.irqchip.as_str() {
-                "split" => IrqChipKind::Split,
-                _ => IrqChipKind::Kernel,
-            };
-            config.firmware = saved
-                .extra
-                .get(firmware::CONFIG_KEY)
-                .and_then(|identity| firmware::path_from_identity(identity));
-        }
-        let config = &config;
-        let rom = firmware::rom_for(config)?;
-        memory::validate_size(config.memory, &config.memory_text)?;
-        let mut kernel = match &config.start {
+/// The files a boot reads and the migration listener, opened before the VM exists: a bad
+/// path or address fails before anything is created.
+struct BootInputs {
+    kernel: Option<File>,
+    initrd: Option<File>,
+    incoming: Option<TcpListener>,
+}
+
+impl BootInputs {
+    fn open(config: &VmConfig) -> Result<Self> {
+        let kernel = match &config.start {
             StartFrom::Kernel(path) => Some(open_kernel(config, path)?),
             _ => None,
         };
@@ -237,150 +212,291 @@ impl Machine {
             StartFrom::Incoming(addr) => Some(listen_for_migration(addr)?),
             _ => None,
         };
-        if let Some(path) = &config.initrd {
-            // A device or FIFO would be read as empty or hang: an initrd is a file.
-            crate::files::require_regular(path, "initrd")?;
-        }
-        let mut initrd = match &config.initrd {
-            Some(path) => Some(File::open(path).map_err(|e| Error::File {
-                path: path.clone(),
-                reason: format!("cannot open initrd: {e}"),
-            })?),
+        let initrd = match &config.initrd {
+            Some(path) => {
+                // A device or FIFO would be read as empty or hang: an initrd is a file.
+                crate::files::require_regular(path, "initrd")?;
+                Some(File::open(path).map_err(|e| Error::File {
+                    path: path.clone(),
+                    reason: format!("cannot open initrd: {e}"),
+                })?)
+            }
             None => None,
         };
+        Ok(BootInputs {
+            kernel,
+            initrd,
+            incoming,
+        })
+    }
+}
 
-        let hv = open_accelerator_with(
-            config.accel,
-            AccelOptions {
-                wired: config.wired,
-            },
-        )?;
-        let caps = hv.capabilities();
-        if config.cpus as usize > caps.max_vcpus {
-            return Err(Error::Option {
-                option: "--cpus",
-                value: config.cpus.to_string(),
-                reason: format!("the accelerator supports at most {} vCPUs", caps.max_vcpus),
-            });
+/// Guest RAM and how the VM maps it.
+struct MachineMemory {
+    memory: GuestMemory,
+    /// The layout snapshots and the migration stream see.
+    regions: Vec<hypervisor::MemoryRegion>,
+    /// The memory slots that hold it (several per region on a firmware machine).
+    slots: Vec<hypervisor::MemoryRegion>,
+    firmware: Option<firmware::FirmwareMemory>,
+}
+
+/// The memory phase: guest RAM mapped into the VM, with the firmware ROM where there is one.
+/// RAM goes in before the interrupt controllers: on some hosts registering memory slots
+/// after KVM_CREATE_IRQCHIP costs milliseconds more (measured: 5–7 ms against 0.2 ms).
+fn map_memory(
+    vm: &Arc<dyn hypervisor::Vm>,
+    config: &VmConfig,
+    rom: Option<&firmware::Rom>,
+) -> Result<MachineMemory> {
+    let memory = memory::create_guest_memory(config.memory, config.wired)?;
+    let (regions, slots, firmware) = match rom {
+        Some(rom) => firmware::map_guest_memory(vm, &memory, rom)?,
+        None => {
+            let regions = memory::map_into_vm(vm, &memory)?;
+            (regions.clone(), regions, None)
         }
+    };
+    Ok(MachineMemory {
+        memory,
+        regions,
+        slots,
+        firmware,
+    })
+}
+
+/// The accelerator, checked against the vCPUs the configuration asks for.
+fn open_hypervisor(
+    config: &VmConfig,
+) -> Result<(Box<dyn hypervisor::Hypervisor>, hypervisor::Capabilities)> {
+    let hv = open_accelerator_with(
+        config.accel,
+        AccelOptions {
+            wired: config.wired,
+        },
+    )?;
+    let caps = hv.capabilities();
+    if config.cpus as usize > caps.max_vcpus {
+        return Err(Error::Option {
+            option: "--cpus",
+            value: config.cpus.to_string(),
+            reason: format!("the accelerator supports at most {} vCPUs", caps.max_vcpus),
+        });
+    }
+    Ok((hv, caps))
+}
+
+/// With `--restore`, the snapshot decides the machine's shape (memory, vCPUs, irqchip,
+/// firmware, devices).
+fn shaped_by_snapshot(config: &VmConfig) -> Result<VmConfig> {
+    let mut config = config.clone();
+    let StartFrom::Restore(path) = &config.start else {
+        return Ok(config);
+    };
+    let saved = snapshot::peek_snapshot_config(path)?;
+    check_shape_against_snapshot(&config, &saved)?;
+    crate::recorded::apply_to_restore(&mut config, saved.devices.as_ref())?;
+    config.memory = saved.memory_size;
+    config.memory_text = format!("{}", saved.memory_size);
+    config.cpus = saved.vcpus;
+    config.irqchip = match saved.irqchip.as_str() {
+        "split" => IrqChipKind::Split,
+        _ => IrqChipKind::Kernel,
+    };
+    config.firmware = saved
+        .extra
+        .get(firmware::CONFIG_KEY)
+        .and_then(|identity| firmware::path_from_identity(identity));
+    Ok(config)
+}
+
+/// The firmware-tables phase of a fresh boot: ACPI and MP tables and the kernel (the
+/// BSP's entry state), or the BIOS alias below 1 MiB. Restored or incoming RAM already
+/// holds them (no entry state then).
+fn write_boot_image(
+    config: &VmConfig,
+    memory: &GuestMemory,
+    inputs: &mut BootInputs,
+    rom: Option<&firmware::Rom>,
+    kernel_pm_timer: Option<u16>,
+) -> Result<Option<boot::BootEntry>> {
+    if let (StartFrom::Firmware, Some(rom)) = (&config.start, rom) {
+        firmware::load_bios_alias(memory, rom)?;
+    }
+    let Some(kernel) = inputs.kernel.as_mut() else {
+        return Ok(None);
+    };
+    let initrd = inputs.initrd.as_mut();
+    load_firmware_and_kernel(config, memory, kernel, initrd, kernel_pm_timer).map(Some)
+}
+
+/// A fresh boot on a kernel that models the RTC: the time and the memory sizes firmware
+/// would write (a restore brings them back with the kernel's state instead).
+fn init_kernel_rtc(vm: &dyn hypervisor::Vm, config: &VmConfig) -> Result<()> {
+    let (below_4g, above_4g) = ram_below_and_above_4g(config.memory);
+    vm.init_kernel_rtc(
+        unix_now_secs(),
+        &devices::rtc::cmos_memory_sizes(below_4g, above_4g),
+    )?;
+    Ok(())
+}
+
+fn irqchip_name(kind: IrqChipKind) -> &'static str {
+    match kind {
+        IrqChipKind::Kernel => "kernel",
+        IrqChipKind::Split => "split",
+    }
+}
+
+/// What a snapshot or migration records of the machine's shape.
+fn recorded_config(
+    config: &VmConfig,
+    regions: &[hypervisor::MemoryRegion],
+    rom: Option<&firmware::Rom>,
+) -> migration::MigrationConfig {
+    let irqchip = irqchip_name(config.irqchip);
+    let mut recorded = snapshot::migration_config(config.memory, config.cpus, irqchip, regions);
+    recorded.devices = crate::recorded::DeviceRecord::value_of(config);
+    if let Some(rom) = rom {
+        recorded
+            .extra
+            .insert(firmware::CONFIG_KEY.into(), rom.identity());
+    }
+    recorded
+}
+
+/// How the API reaches this machine, if it has one.
+fn api_setup(config: &VmConfig, attached: Option<Arc<Server>>) -> Result<Option<ApiSetup>> {
+    let info = MachineInfo {
+        vcpus: config.cpus,
+        memory: config.memory,
+        irqchip: irqchip_name(config.irqchip),
+    };
+    Ok(match (attached, &config.api_socket) {
+        (Some(server), _) => Some(ApiSetup::Attached(server, info)),
+        (None, Some(path)) => {
+            let (listener, guard) = crate::socket::bind(path)?;
+            Some(ApiSetup::Own(listener, info, guard))
+        }
+        (None, None) => None,
+    })
+}
+
+/// What every vCPU thread shares: the buses, the interrupt controllers and the controls.
+fn vcpu_context(
+    pio: Arc<IoDispatcher>,
+    mmio: Arc<IoDispatcher>,
+    exit: Arc<ExitRequest>,
+    irqchip: &Arc<dyn crate::irqchip::MachineIrqChip>,
+    power: Arc<PowerControl>,
+    guest_memory: &Arc<GuestMemory>,
+) -> Arc<VcpuContext> {
+    Arc::new(VcpuContext {
+        pio,
+        mmio,
+        exit,
+        stop: Arc::new(AtomicBool::new(false)),
+        sample_rip: rip_sample_period().is_some(),
+        irqchip: irqchip.clone(),
+        control: Arc::new(RunControl::default()),
+        power,
+        completer: Arc::new(complete::Completer::new()),
+        ram: Arc::new(memory::CompletionRam(guest_memory.clone())),
+    })
+}
+
+/// The vCPUs phase: each with its CPUID; the BSP at the kernel's entry or the reset vector.
+fn create_vcpus(
+    hv: &dyn hypervisor::Hypervisor,
+    vm: &Arc<dyn hypervisor::Vm>,
+    config: &VmConfig,
+    entry: Option<&boot::BootEntry>,
+) -> Result<Vec<Box<dyn Vcpu>>> {
+    let cpu_setup = crate::cpu_setup::CpuSetup::new(hv)?;
+    let mut vcpus = Vec::new();
+    for id in 0..config.cpus {
+        let vcpu = vm.create_vcpu(id)?;
+        cpu_setup.configure(vcpu.as_ref(), id, config.cpus)?;
+        if let (0, Some(entry)) = (id, entry) {
+            set_boot_registers(vcpu.as_ref(), entry)?;
+        }
+        if id == 0 && config.start == StartFrom::Firmware {
+            firmware::set_reset_registers(vcpu.as_ref())?;
+        }
+        vcpus.push(vcpu);
+    }
+    Ok(vcpus)
+}
+
+/// How the vCPUs get their first state.
+fn start_of(config: &VmConfig, incoming: Option<TcpListener>) -> Start {
+    match (&config.start, incoming) {
+        (StartFrom::Restore(path), _) => Start::Restore(
+            path.clone(),
+            RestoreOptions {
+                verify_first: config.restore_verify,
+                // Locking guest RAM reads all of it anyway: copy it in.
+                eager: config.restore_eager || config.wired,
+                no_prefetch: RestoreOptions::no_prefetch_from_env(),
+            },
+        ),
+        (_, Some(listener)) => Start::Incoming(listener),
+        _ => Start::Boot,
+    }
+}
+
+impl Machine {
+    /// Builds the machine in phases: memory, interrupt controllers, firmware tables and
+    /// kernel, devices (the device manager's own phases), then the vCPUs.
+    fn build(config: &VmConfig, attached: Option<Arc<Server>>) -> Result<Self> {
+        let config = &shaped_by_snapshot(config)?;
+        let rom = firmware::rom_for(config)?;
+        memory::validate_size(config.memory, &config.memory_text)?;
+        let mut inputs = BootInputs::open(config)?;
+        let (hv, caps) = open_hypervisor(config)?;
         let vm = hv.create_vm()?;
-        // RAM before the interrupt controllers: on some hosts registering memory slots after
-        // KVM_CREATE_IRQCHIP costs milliseconds more (measured: 5–7 ms against 0.2 ms).
-        let guest_memory = memory::create_guest_memory(config.memory, config.wired)?;
-        let (regions, slots, firmware_memory) = match &rom {
-            Some(rom) => firmware::map_guest_memory(&vm, &guest_memory, rom)?,
-            None => {
-                let regions = memory::map_into_vm(&vm, &guest_memory)?;
-                (regions.clone(), regions, None)
-            }
-        };
+        let ram = map_memory(&vm, config, rom.as_ref())?;
         // Asked again now that the VM exists: bhyve probes its snapshot support on creation.
         let irqchip = crate::irqchip::create(&vm, config.irqchip, &hv.capabilities())?;
-
-        let entry = match kernel.as_mut() {
-            Some(kernel) => Some(load_firmware_and_kernel(
-                config,
-                &guest_memory,
-                kernel,
-                initrd.as_mut(),
-                caps.pm_timer_port,
-            )?),
-            // Restored or incoming RAM already holds the firmware tables and the kernel.
-            None => None,
-        };
-        let firmware_boot = config.start == StartFrom::Firmware;
-        if let (true, Some(rom)) = (firmware_boot, &rom) {
-            firmware::load_bios_alias(&guest_memory, rom)?;
-        }
-
+        let entry = write_boot_image(
+            config,
+            &ram.memory,
+            &mut inputs,
+            rom.as_ref(),
+            caps.pm_timer_port,
+        )?;
         let exit = Arc::new(ExitRequest::new()?);
-        let timer_wake = Arc::new(TimerWake::default());
-        let guest_memory = Arc::new(guest_memory);
+        let memory = Arc::new(ram.memory);
         let power = Arc::new(PowerControl::new(
             config.cpus,
             config.firmware.is_some(),
-            guest_memory.clone(),
+            memory.clone(),
         ));
-        let (pio, mmio, timers, mut platform) = build_buses(
+        let devices = DeviceManager::build(&DeviceContext {
             config,
-            &exit,
-            &irqchip,
-            &timer_wake,
-            caps.rtc_in_kernel,
-            &power,
-        )?;
-        let piix = match &firmware_memory {
-            Some(_) => firmware::add_piix(&platform.pci)?,
-            None => Vec::new(),
-        };
-        let functions = add_virtio_devices(
-            config,
-            &VirtioContext {
-                vm: &vm,
-                irqchip: &irqchip,
-                caps: &caps,
-                memory: &guest_memory,
-                pci: &platform.pci,
-            },
-        )?;
-        if let Some(fw) = &firmware_memory {
-            let machine = firmware::MachineParts {
-                pci: &platform.pci,
-                fw_cfg: &platform.fw_cfg,
-                virtio: &functions,
-                kernel_pm_timer: caps.pm_timer_port,
-            };
-            firmware::attach(fw, config, &machine)?;
+            vm: &vm,
+            caps: &caps,
+            irqchip: &irqchip,
+            memory: &memory,
+            exit: &exit,
+            power: &power,
+            firmware: ram.firmware.as_ref(),
+        })?;
+        if caps.rtc_in_kernel && (entry.is_some() || config.start == StartFrom::Firmware) {
+            init_kernel_rtc(vm.as_ref(), config)?;
         }
-        let serial_output = platform.serial_output.clone();
-        let keyboard = platform.keyboard.clone();
-        let serial_input = platform.serial_input.take();
-        let device_list = platform.into_list(piix.into_iter().chain(functions).collect())?;
-        if caps.rtc_in_kernel && (entry.is_some() || firmware_boot) {
-            // A fresh boot: the kernel's RTC gets the time and the memory sizes firmware
-            // would write (a restore brings them back with the kernel's state instead).
-            let (below_4g, above_4g) = ram_below_and_above_4g(config.memory);
-            vm.init_kernel_rtc(
-                unix_now_secs(),
-                &devices::rtc::cmos_memory_sizes(below_4g, above_4g),
-            )?;
-        }
-        let context = Arc::new(VcpuContext {
-            pio: Arc::new(IoDispatcher::new("pio", Arc::new(pio))),
-            mmio: Arc::new(IoDispatcher::new("mmio", Arc::new(mmio))),
-            exit,
-            stop: Arc::new(AtomicBool::new(false)),
-            sample_rip: rip_sample_period().is_some(),
-            irqchip: irqchip.clone(),
-            control: Arc::new(RunControl::default()),
-            power,
-            completer: Arc::new(complete::Completer::new()),
-            ram: Arc::new(memory::CompletionRam(guest_memory.clone())),
-        });
-
-        let irqchip_name = match config.irqchip {
-            IrqChipKind::Kernel => "kernel",
-            IrqChipKind::Split => "split",
-        };
-        let mut migration_config =
-            snapshot::migration_config(config.memory, config.cpus, irqchip_name, &regions);
-        migration_config.devices = crate::recorded::DeviceRecord::value_of(config);
-        if let Some(rom) = &rom {
-            migration_config
-                .extra
-                .insert(firmware::CONFIG_KEY.into(), rom.identity());
-        }
+        let context = vcpu_context(devices.pio, devices.mmio, exit, &irqchip, power, &memory);
         let core = Arc::new(Core {
-            memory: guest_memory.clone(),
+            config: recorded_config(config, &ram.regions, rom.as_ref()),
+            memory,
             vm: vm.clone(),
-            config: migration_config,
-            regions,
-            slots,
+            regions: ram.regions,
+            slots: ram.slots,
             control: context.control.clone(),
-            devices: device_list,
-            timers: timers.gate.clone(),
+            devices: devices.list,
+            timers: devices.timers.gate.clone(),
             msrs: hv.msr_index_list()?,
-            irqchip: irqchip.clone(),
+            irqchip,
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
             vhost_net: config.nets.iter().any(|n| n.vhost),
@@ -390,58 +506,18 @@ impl Machine {
             snapshot_temp: Default::default(),
             devices_held: Default::default(),
         });
-        let info = MachineInfo {
-            vcpus: config.cpus,
-            memory: config.memory,
-            irqchip: irqchip_name,
-        };
-        let api = match (attached, &config.api_socket) {
-            (Some(server), _) => Some(ApiSetup::Attached(server, info)),
-            (None, Some(path)) => {
-                let (listener, guard) = crate::socket::bind(path)?;
-                Some(ApiSetup::Own(listener, info, guard))
-            }
-            (None, None) => None,
-        };
-
-        let cpu_setup = crate::cpu_setup::CpuSetup::new(hv.as_ref())?;
-        let mut vcpus = Vec::new();
-        for id in 0..config.cpus {
-            let vcpu = vm.create_vcpu(id)?;
-            cpu_setup.configure(vcpu.as_ref(), id, config.cpus)?;
-            if let (0, Some(entry)) = (id, &entry) {
-                set_boot_registers(vcpu.as_ref(), entry)?;
-            }
-            if id == 0 && firmware_boot {
-                firmware::set_reset_registers(vcpu.as_ref())?;
-            }
-            vcpus.push(vcpu);
-        }
-        let start = match (&config.start, incoming) {
-            (StartFrom::Restore(path), _) => Start::Restore(
-                path.clone(),
-                RestoreOptions {
-                    verify_first: config.restore_verify,
-                    // Locking guest RAM reads all of it anyway: copy it in.
-                    eager: config.restore_eager || config.wired,
-                    no_prefetch: RestoreOptions::no_prefetch_from_env(),
-                },
-            ),
-            (_, Some(listener)) => Start::Incoming(listener),
-            _ => Start::Boot,
-        };
         Ok(Machine {
-            _firmware: firmware_memory,
+            _firmware: ram.firmware,
             core,
-            vcpus,
+            vcpus: create_vcpus(hv.as_ref(), &vm, config, entry.as_ref())?,
             context,
-            timers: Some(timers),
-            api,
+            timers: Some(devices.timers),
+            api: api_setup(config, attached)?,
             restore_paused: config.start_paused,
-            start,
-            serial_output,
-            keyboard,
-            serial_input,
+            start: start_of(config, inputs.incoming),
+            serial_output: devices.serial_output,
+            keyboard: devices.keyboard,
+            serial_input: devices.serial_input,
         })
     }
 
@@ -542,6 +618,38 @@ impl Machine {
             // Nothing to drive (bhyve: the PIT and RTC are in the kernel).
             _ => None,
         };
+        let (threads, mut start_error) = self.spawn_vcpus();
+        if let (Some(ack), None) = (ack.as_mut(), &start_error) {
+            // The guest runs here now: tell the source it may exit.
+            if let Err(e) = ack.ack() {
+                // The source will resume its own copy: this one must not run on.
+                start_error = Some(Error::Migration(format!(
+                    "cannot acknowledge the migration ({e}); stopping this copy"
+                )));
+            }
+        }
+        let supervisor = self.supervisor(start_paused);
+        let _socket = self.serve_api(&supervisor, start_error.is_none())?;
+        let outcome = if start_error.is_none() {
+            signals.wait(&self.context.exit, rip_sample_period(), &threads)
+        } else {
+            None
+        };
+        supervisor.stopping();
+        // A snapshot still being written when the machine ends is abandoned: no half-written
+        // temporary file of the guest's size is left behind.
+        self.core.abandon_snapshot();
+        let failures = stop_vcpus(&self.context, threads);
+        if let Some(t) = timer_thread {
+            t.stop();
+        }
+        self.finish_serial_output();
+        self.conclude(outcome, start_error, failures)
+    }
+
+    /// Starts one thread per vCPU, until one fails to start (its error is returned beside
+    /// the threads that run), and hands their kickers to whoever kicks them.
+    fn spawn_vcpus(&mut self) -> (Vec<VcpuThread>, Option<Error>) {
         let mut threads = Vec::new();
         let mut start_error = None;
         for vcpu in self.vcpus.drain(..) {
@@ -558,21 +666,14 @@ impl Machine {
                 }
             }
         }
-        self.context
-            .control
-            .set_kickers(threads.iter().map(|t| t.kicker).collect());
-        self.context
-            .power
-            .set_kickers(threads.iter().map(|t| t.kicker).collect());
-        if let (Some(ack), None) = (ack.as_mut(), &start_error) {
-            // The guest runs here now: tell the source it may exit.
-            if let Err(e) = ack.ack() {
-                // The source will resume its own copy: this one must not run on.
-                start_error = Some(Error::Migration(format!(
-                    "cannot acknowledge the migration ({e}); stopping this copy"
-                )));
-            }
-        }
+        let kickers = || threads.iter().map(|t| t.kicker).collect();
+        self.context.control.set_kickers(kickers());
+        self.context.power.set_kickers(kickers());
+        (threads, start_error)
+    }
+
+    /// What the API drives the running machine through.
+    fn supervisor(&self, start_paused: bool) -> Arc<Supervisor> {
         let initial = if start_paused {
             RunState::Paused
         } else {
@@ -585,33 +686,39 @@ impl Machine {
             initial,
         ));
         supervisor.set_power(self.context.power.clone());
-        let _socket = match self.api.take() {
-            Some(ApiSetup::Own(listener, info, guard)) if start_error.is_none() => {
-                let api = self.api_of(&supervisor, info);
+        supervisor
+    }
+
+    /// Serves the API once the machine runs (`started`); returns the socket's guard, which
+    /// removes the socket when the machine ends.
+    fn serve_api(
+        &mut self,
+        supervisor: &Arc<Supervisor>,
+        started: bool,
+    ) -> Result<Option<SocketGuard>> {
+        Ok(match self.api.take() {
+            Some(ApiSetup::Own(listener, info, guard)) if started => {
+                let api = self.api_of(supervisor, info);
                 crate::api::http::serve(listener, Arc::new(Server::running(api)))?;
                 Some(guard)
             }
-            Some(ApiSetup::Attached(server, info)) if start_error.is_none() => {
-                server.attach(self.api_of(&supervisor, info));
+            Some(ApiSetup::Attached(server, info)) if started => {
+                server.attach(self.api_of(supervisor, info));
                 None
             }
             Some(ApiSetup::Own(_, _, guard)) => Some(guard),
             _ => None,
-        };
-        let outcome = if start_error.is_none() {
-            signals.wait(&self.context.exit, rip_sample_period(), &threads)
-        } else {
-            None
-        };
-        supervisor.stopping();
-        // A snapshot still being written when the machine ends is abandoned: no half-written
-        // temporary file of the guest's size is left behind.
-        self.core.abandon_snapshot();
-        let failures = stop_vcpus(&self.context, threads);
-        if let Some(t) = timer_thread {
-            t.stop();
-        }
-        self.finish_serial_output();
+        })
+    }
+
+    /// How the machine ended, once every thread stopped: a lost or corrupt guest and a
+    /// failed start come before the guest's own outcome.
+    fn conclude(
+        &self,
+        outcome: Option<Outcome>,
+        start_error: Option<Error>,
+        failures: Vec<Error>,
+    ) -> Result<Outcome> {
         // A lazily restored snapshot whose page data proved corrupt: that is the error, however
         // the guest ended.
         let corrupt = self.core.restored.get().and_then(|m| {
@@ -815,147 +922,10 @@ fn stop_vcpus(context: &VcpuContext, threads: Vec<VcpuThread>) -> Vec<Error> {
     failures
 }
 
-/// Guest RAM below the 32-bit MMIO hole and above 4 GiB, as firmware reports it.
-fn ram_below_and_above_4g(memory: u64) -> (u64, u64) {
-    let below_4g = memory.min(boot::layout::MMIO_HOLE_START);
-    (below_4g, memory - below_4g)
-}
-
 fn unix_now_secs() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64)
-}
-
-fn build_buses(
-    config: &VmConfig,
-    exit: &Arc<ExitRequest>,
-    chip: &Arc<dyn MachineIrqChip>,
-    timer_wake: &Arc<TimerWake>,
-    rtc_in_kernel: bool,
-    power: &Arc<PowerControl>,
-) -> Result<(Bus, Bus, TimerDevices, PlatformDevices)> {
-    let devices_err = |e: devices::bus::BusError| Error::Devices(e.to_string());
-    let irqchip: &Arc<dyn IrqChip> = &(chip.clone() as Arc<dyn IrqChip>);
-    let mut pio = Bus::new();
-    let mut mmio = Bus::new();
-    let mut pit = None;
-    chip.register(&mut pio, &mut mmio)?;
-    if chip.kind() == IrqChipKind::Split {
-        let mut model = Pit::new();
-        model.set_waker(timer_wake.clone());
-        pit = Some(model.register(&mut pio).map_err(devices_err)?);
-    }
-    // Where the kernel owns ports 0x70-0x71 (bhyve), a model here would never be reached.
-    let rtc = if rtc_in_kernel {
-        None
-    } else {
-        let mut rtc = Rtc::new(IrqPin::new(irqchip.clone(), RTC_IRQ));
-        rtc.set_waker(timer_wake.clone());
-        let (below_4g, above_4g) = ram_below_and_above_4g(config.memory);
-        rtc.set_memory_sizes(below_4g, above_4g);
-        Some(rtc.register(&mut pio).map_err(devices_err)?)
-    };
-    let com1_irq = Arc::new(IrqPin::new(irqchip.clone(), devices::serial::COM1_IRQ));
-    let com1 = crate::console::build_com1(&config.serial, com1_irq, &mut pio)?;
-    let (serial, serial_output) = (com1.device.clone(), com1.output);
-    let serial_input = com1.input.map(|input| (com1.device, input));
-    DebugExit::new(exit.clone())
-        .register(&mut pio)
-        .map_err(devices_err)?;
-    let keyboard_irq = IrqPin::new(irqchip.clone(), devices::i8042::KEYBOARD_IRQ);
-    let i8042 = I8042::new(exit.clone())
-        .with_keyboard_irq(keyboard_irq)
-        .register(&mut pio)
-        .map_err(devices_err)?;
-    let mut fw_cfg = FwCfg::new(config.cpus as u16, config.memory);
-    fw_cfg
-        .add_file("etc/ferrovm/cmdline", config.cmdline.as_bytes().to_vec())
-        .map_err(|e| Error::Devices(e.to_string()))?;
-    let fw_cfg = fw_cfg.register(&mut pio).map_err(devices_err)?;
-    let fw_cfg_handle = fw_cfg.clone();
-    let acpi_pm = AcpiPm::new(exit.clone())
-        .with_sci(Arc::new(IrqPin::new(irqchip.clone(), ACPI_SCI_IRQ)))
-        .with_sleep_control(power.clone())
-        .register(&mut pio)
-        .map_err(devices_err)?;
-    power.attach(acpi_pm.clone(), rtc.clone());
-    let pci = build_pci(
-        config.memory,
-        config.firmware.is_some(),
-        irqchip,
-        &mut pio,
-        &mut mmio,
-    )?;
-    // The PIIX reset control register (0xcf9) resets the machine, which ends the VM.
-    let reset_exit = exit.clone();
-    pci.bus.set_reset_handler(Arc::new(move || {
-        reset_exit.request(devices::exit::ExitReason::Reset);
-    }));
-    let keyboard = Some(i8042.clone());
-    let mut legacy: Vec<SharedDevice> = vec![serial, i8042, fw_cfg, acpi_pm];
-    if config.firmware.is_some() {
-        legacy.extend(firmware::add_legacy_devices(&mut pio, exit).map_err(devices_err)?);
-    }
-    legacy.extend(pit.iter().map(|d| d.clone() as SharedDevice));
-    legacy.extend(rtc.iter().map(|d| d.clone() as SharedDevice));
-    let devices = PlatformDevices {
-        fw_cfg: fw_cfg_handle,
-        serial_output,
-        serial_input,
-        keyboard,
-        legacy,
-        pci,
-        irqchip: Some(chip.clone()),
-    };
-    let timers = TimerDevices {
-        pit,
-        rtc,
-        irqchip: irqchip.clone(),
-        wake: timer_wake.clone(),
-        gate: Arc::default(),
-    };
-    Ok((pio, mmio, timers, devices))
-}
-
-/// The PCI platform of every machine: bus 0 with the host bridge in slot 0, configuration
-/// mechanism #1 and the I/O BAR window on `pio`, ECAM and the memory BAR windows on `mmio`,
-/// in the windows `boot::layout` fixes (and the firmware tables describe), INTx lines on
-/// `irqchip`. Functions are added with `PciBus::add_device` through the returned handle
-/// before the vCPUs start; `PciBus::intx_line` gives a function its INTx line.
-fn build_pci(
-    memory: u64,
-    firmware: bool,
-    irqchip: &Arc<dyn IrqChip>,
-    pio: &mut Bus,
-    mmio: &mut Bus,
-) -> Result<PciHandles> {
-    use boot::layout::{
-        pci_mmio64_start, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_IO_SIZE, PCI_IO_START,
-        PCI_MMIO32_SIZE, PCI_MMIO32_START, PCI_MMIO64_SIZE,
-    };
-    let pci_err = |e: pci::PciError| Error::Devices(e.to_string());
-    let layout = PciLayout {
-        ecam: Window::new(PCI_ECAM_START, PCI_ECAM_SIZE),
-        // BIOS firmware places BARs itself, anywhere in the hole below the IOAPIC (SeaBIOS:
-        // downwards from there); the bus decodes all of it, ECAM excepted.
-        mmio32: if firmware {
-            Window::new(
-                PCI_MMIO32_START,
-                boot::layout::IOAPIC_START - PCI_MMIO32_START,
-            )
-        } else {
-            Window::new(PCI_MMIO32_START, PCI_MMIO32_SIZE)
-        },
-        mmio64: Window::new(pci_mmio64_start(memory), PCI_MMIO64_SIZE),
-        io: Window::new(PCI_IO_START, PCI_IO_SIZE),
-    };
-    let bus = Arc::new(PciBus::new(layout, irqchip.clone()).map_err(pci_err)?);
-    let host_bridge = Arc::new(std::sync::Mutex::new(HostBridge::new()));
-    bus.add_device_at(0, host_bridge.clone()).map_err(pci_err)?;
-    bus.register(pio, mmio)
-        .map_err(|e| Error::Devices(format!("PCI: {e}")))?;
-    Ok(PciHandles { bus, host_bridge })
 }
 
 /// Register state for a 32-bit flat protected-mode entry with paging off, which every boot
@@ -1119,62 +1089,5 @@ impl SignalWatch {
 impl Drop for SignalWatch {
     fn drop(&mut self) {
         SIGNAL_WAKE_FD.store(-1, Ordering::SeqCst);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config_read(pio: &Bus, reg: u32) -> u32 {
-        assert!(pio.write(0xcf8, &(0x8000_0000 | reg).to_le_bytes()));
-        let mut data = [0u8; 4];
-        assert!(pio.read(0xcfc, &mut data));
-        u32::from_le_bytes(data)
-    }
-
-    /// What the guest changed on the PCI platform comes back through the machine state.
-    #[test]
-    fn pci_platform_round_trips_through_the_machine_state() {
-        let (mut pio, mut mmio) = (Bus::new(), Bus::new());
-        let irqchip: Arc<dyn IrqChip> = Arc::new(devices::serial::NoIrq);
-        let source = build_pci(256 << 20, false, &irqchip, &mut pio, &mut mmio).unwrap();
-        assert_eq!(config_read(&pio, 0), 0x1237_8086);
-        // PAM1 and the interrupt line through ECAM, the command register through CF8.
-        assert!(mmio.write(0xe000_005a, &[0x33]));
-        assert!(mmio.write(0xe000_003c, &[0x0b]));
-        assert!(pio.write(0xcf8, &0x8000_0004u32.to_le_bytes()));
-        assert!(pio.write(0xcfc, &[0x02, 0x04]));
-        let saved = as_list(&source).save().unwrap();
-        let json = serde_json::to_vec(&saved).unwrap();
-
-        let (mut pio, mut mmio) = (Bus::new(), Bus::new());
-        let target = build_pci(256 << 20, false, &irqchip, &mut pio, &mut mmio).unwrap();
-        as_list(&target)
-            .restore(&serde_json::from_slice(&json).unwrap())
-            .unwrap();
-        assert_eq!(config_read(&pio, 0x58) >> 16 & 0xff, 0x33, "PAM1");
-        assert_eq!(config_read(&pio, 4) & 0xffff, 0x0402, "command");
-        assert_eq!(lock_host_bridge(&target).pam()[1], 0x33);
-        assert_eq!(config_read(&pio, 0x3c) & 0xff, 0x0b, "interrupt line");
-    }
-
-    /// A machine's lifecycle list holding only the PCI platform.
-    fn as_list(pci: &PciHandles) -> crate::state::DeviceList {
-        PlatformDevices {
-            fw_cfg: Arc::new(std::sync::Mutex::new(FwCfg::new(1, 256 << 20))),
-            serial_output: None,
-            serial_input: None,
-            keyboard: None,
-            legacy: Vec::new(),
-            pci: pci.clone(),
-            irqchip: None,
-        }
-        .into_list(Vec::new())
-        .unwrap()
-    }
-
-    fn lock_host_bridge(pci: &PciHandles) -> std::sync::MutexGuard<'_, HostBridge> {
-        pci.host_bridge.lock().unwrap()
     }
 }

@@ -14,7 +14,6 @@ use virtio::rng::Rng;
 use virtio::{IoEventRegistrar, VirtioDevice, VirtioPciDevice};
 
 use crate::config::{ConsoleConfig, DiskCache, DiskConfig, SerialOutput, VmConfig};
-use crate::console::SerialInput;
 use crate::error::{Error, Result};
 use crate::ioevents::VmIoEvents;
 use crate::memory::GuestMemory;
@@ -43,14 +42,6 @@ impl IrqChip for IntxPinChip {
 
 /// Every device model of a machine before its lifecycle list is made.
 pub struct PlatformDevices {
-    /// fw_cfg, for the files added once the PCI functions are placed (firmware boot).
-    pub fw_cfg: Arc<Mutex<devices::fw_cfg::FwCfg>>,
-    /// Where COM1's output waits for its writer (absent when it goes nowhere).
-    pub serial_output: Option<Arc<devices::output::OutputQueue>>,
-    /// COM1 and where its input will come from, started when the machine runs.
-    pub serial_input: Option<(Arc<Mutex<devices::serial::SerialDevice>>, SerialInput)>,
-    /// The i8042, for the API's `SendCtrlAltDel` (also in `legacy`).
-    pub keyboard: Option<Arc<Mutex<devices::i8042::I8042>>>,
     /// Serial, i8042, fw_cfg, ACPI PM, and the PIT and RTC where the VMM models them.
     pub legacy: Vec<SharedDevice>,
     pub pci: PciHandles,

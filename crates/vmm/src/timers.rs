@@ -1,5 +1,7 @@
-//! The timer thread: drives the user-space PIT (split mode) and the CMOS RTC at the deadlines
-//! the guest programmed. Guest writes that move a deadline wake it through `TimerWaker`.
+//! The timer thread: serves the devices with deadlines of their own ([`TimedDevice`]: the
+//! user-space PIT in split mode, the CMOS RTC) at the deadlines the guest programmed. The
+//! device manager registers them; guest writes that move a deadline wake the thread through
+//! `TimerWaker`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -51,12 +53,48 @@ impl TimerGate {
     }
 }
 
-pub struct TimerDevices {
-    /// Only in split mode; the in-kernel PIT drives IRQ 0 otherwise.
-    pub pit: Option<Arc<Mutex<Pit>>>,
-    /// Absent where the kernel models the RTC.
-    pub rtc: Option<Arc<Mutex<Rtc>>>,
+/// A device with deadlines of its own, served by the timer thread. It locks only itself,
+/// and raises its interrupt after releasing its lock (device lock, then irqchip).
+pub trait TimedDevice: Send + Sync {
+    /// When it next needs [`TimedDevice::on_deadline`], if ever.
+    fn next_deadline(&self) -> Option<Instant>;
+    /// Raises what fell due by `now`.
+    fn on_deadline(&self, now: Instant);
+}
+
+/// The user-space PIT: channel 0 pulses ISA IRQ 0.
+pub struct PitTimer {
+    pub pit: Arc<Mutex<Pit>>,
     pub irqchip: Arc<dyn IrqChip>,
+}
+
+impl TimedDevice for PitTimer {
+    fn next_deadline(&self) -> Option<Instant> {
+        lock(&self.pit).next_irq_deadline()
+    }
+
+    fn on_deadline(&self, now: Instant) {
+        let edges = lock(&self.pit).on_timer(now);
+        if edges > 0 {
+            self.irqchip.pulse_irq(0);
+        }
+    }
+}
+
+/// The CMOS RTC raises and lowers IRQ 8 itself.
+impl TimedDevice for Mutex<Rtc> {
+    fn next_deadline(&self) -> Option<Instant> {
+        lock(self).next_irq_deadline()
+    }
+
+    fn on_deadline(&self, now: Instant) {
+        lock(self).on_timer(now);
+    }
+}
+
+/// What the timer thread serves, and how it is woken and paused.
+pub struct TimerDevices {
+    pub devices: Vec<Arc<dyn TimedDevice>>,
     pub wake: Arc<TimerWake>,
     pub gate: Arc<TimerGate>,
 }
@@ -64,7 +102,12 @@ pub struct TimerDevices {
 impl TimerDevices {
     /// Whether any device here needs the timer thread.
     pub fn has_timers(&self) -> bool {
-        self.pit.is_some() || self.rtc.is_some()
+        !self.devices.is_empty()
+    }
+
+    /// The earliest deadline of any device.
+    fn next_deadline(&self) -> Option<Instant> {
+        self.devices.iter().filter_map(|d| d.next_deadline()).min()
     }
 }
 
@@ -104,18 +147,7 @@ impl TimerThread {
 
 fn run(devices: TimerDevices, stop: &AtomicBool) {
     while !stop.load(Ordering::Acquire) {
-        let pit_deadline = devices
-            .pit
-            .as_ref()
-            .and_then(|p| lock(p).next_irq_deadline());
-        let rtc_deadline = devices
-            .rtc
-            .as_ref()
-            .and_then(|r| lock(r).next_irq_deadline());
-        let deadline = match (pit_deadline, rtc_deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let deadline = devices.next_deadline();
         let now = Instant::now();
         let wait = deadline
             .map(|d| d.saturating_duration_since(now))
@@ -148,23 +180,15 @@ fn run(devices: TimerDevices, stop: &AtomicBool) {
 
 /// Raises what fell due by `now`. Runs with the gate's lock held.
 fn tick(devices: &TimerDevices, now: Instant) {
-    if let Some(pit) = &devices.pit {
-        // The PIT lock is released before the line is pulsed (device lock, then PIC).
-        let edges = lock(pit).on_timer(now);
-        if edges > 0 {
-            devices.irqchip.pulse_irq(0);
-        }
-    }
-    // The RTC raises and lowers IRQ 8 itself.
-    if let Some(rtc) = &devices.rtc {
-        lock(rtc).on_timer(now);
+    for device in &devices.devices {
+        device.on_deadline(now);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use devices::bus::BusDevice;
+    use devices::bus::BusDeviceMut;
     use std::sync::atomic::AtomicU32;
 
     #[derive(Default)]
@@ -185,10 +209,12 @@ mod tests {
         pit.write(0, &[0xa9]);
         pit.write(0, &[0x04]);
         let irqs = Arc::new(CountIrq0::default());
-        let devices = TimerDevices {
-            pit: Some(Arc::new(Mutex::new(pit))),
-            rtc: None,
+        let pit = PitTimer {
+            pit: Arc::new(Mutex::new(pit)),
             irqchip: irqs.clone(),
+        };
+        let devices = TimerDevices {
+            devices: vec![Arc::new(pit)],
             wake: Arc::default(),
             gate: Arc::default(),
         };

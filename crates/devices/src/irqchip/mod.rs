@@ -290,13 +290,9 @@ impl SplitIrqChip {
             (PicRegisters::Slave, SLAVE_BASE),
             (PicRegisters::Elcr, ELCR_BASE),
         ] {
-            pio.insert(Arc::new(Mutex::new(self.pic_io(regs))), base, PIC_PORTS)?;
+            pio.insert(Arc::new(self.pic_io(regs)), base, PIC_PORTS)?;
         }
-        mmio.insert(
-            Arc::new(Mutex::new(self.ioapic_mmio())),
-            IOAPIC_BASE,
-            IOAPIC_SIZE,
-        )
+        mmio.insert(Arc::new(self.ioapic_mmio()), IOAPIC_BASE, IOAPIC_SIZE)
     }
 
     /// The guest-visible state of both controllers (taken one after the
@@ -433,8 +429,9 @@ pub struct PicIo {
     regs: PicRegisters,
 }
 
+/// The chip's own locks serialise accesses: these hold no state of their own.
 impl BusDevice for PicIo {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
+    fn read(&self, offset: u64, data: &mut [u8]) {
         let regs = self.regs;
         self.chip.with_pic(|p| {
             for (i, b) in data.iter_mut().enumerate() {
@@ -449,7 +446,7 @@ impl BusDevice for PicIo {
         });
     }
 
-    fn write(&mut self, offset: u64, data: &[u8]) {
+    fn write(&self, offset: u64, data: &[u8]) {
         let regs = self.regs;
         self.chip.with_pic(|p| {
             for (i, &v) in data.iter().enumerate() {
@@ -472,11 +469,11 @@ pub struct IoapicMmio {
 }
 
 impl BusDevice for IoapicMmio {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
+    fn read(&self, offset: u64, data: &mut [u8]) {
         lock(&self.chip.ioapic).read(offset, data);
     }
 
-    fn write(&mut self, offset: u64, data: &[u8]) {
+    fn write(&self, offset: u64, data: &[u8]) {
         self.chip.ioapic_write(offset, data);
     }
 }
@@ -740,7 +737,7 @@ mod tests {
         assert!(m.pio.read(0x20, &mut d));
         assert_eq!(d[1], 0);
         // Direct device access with an out-of-range offset reads 0xff.
-        let mut dev = m.chip.pic_io(PicRegisters::Slave);
+        let dev = m.chip.pic_io(PicRegisters::Slave);
         let mut d = [0u8; 3];
         dev.read(1, &mut d);
         assert_eq!(&d[1..], &[0xff, 0xff]);
@@ -760,7 +757,7 @@ mod tests {
         // A UART with its RX interrupt enabled, fed a byte.
         let mut uart =
             crate::serial::SerialDevice::new(&crate::serial::SerialOutput::Sink, line).unwrap();
-        uart.write(1, &[0x01]);
+        crate::bus::BusDeviceMut::write(&mut uart, 1, &[0x01]);
         uart.enqueue_raw_bytes(b"x");
         assert_eq!(m.rec.msis(), vec![(0xfee0_0000, 0x44)]);
         assert_eq!(m.chip.pic_acknowledge(), Some(0x24));

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use devices::acpi_pm::{AcpiPm, AcpiPmState};
-use devices::bus::BusDevice;
+use devices::bus::BusDeviceMut;
 use devices::exit::ExitRequest;
 use devices::fw_cfg::{FwCfg, FwCfgState};
 use devices::i8042::{I8042State, I8042};
@@ -23,7 +23,7 @@ use serde_json::Value;
 pub const DEVICES: [&str; 6] = ["serial", "i8042", "acpi_pm", "fw_cfg", "rtc", "pit"];
 
 /// A device as the harness drives it.
-pub trait Subject: BusDevice {
+pub trait Subject: BusDeviceMut {
     /// Parses `json` as this device's state and restores it.
     fn restore_json(&mut self, json: &[u8]) -> Result<(), String>;
     /// The device's state as JSON.

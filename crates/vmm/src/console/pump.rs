@@ -73,7 +73,7 @@ impl InputPump {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use devices::bus::BusDevice;
+    use devices::bus::BusDeviceMut;
     use devices::serial::{NoIrq, FIFO_SIZE};
 
     fn uart() -> Arc<Mutex<SerialDevice>> {
