@@ -308,40 +308,44 @@ pub enum CtlRequest {
     /// Write a snapshot of the machine to FILE.
     Snapshot { file: PathBuf },
     /// Live-migrate to a `ferrovm run --incoming` listener. Ctrl-C cancels it.
-    Migrate {
-        /// tcp:HOST:PORT
-        destination: String,
-        #[arg(long, value_name = "BYTES_PER_S")]
-        max_bandwidth: Option<u64>,
-        #[arg(long, value_name = "N")]
-        downtime_ms: Option<u64>,
-        #[arg(long, value_name = "N")]
-        max_rounds: Option<u32>,
-        #[arg(long, value_name = "N")]
-        max_time_s: Option<u64>,
-        #[arg(long)]
-        auto_converge: bool,
-        /// Pause the guest first and copy everything (for accelerators without dirty tracking).
-        #[arg(long)]
-        warm: bool,
-        /// TCP connections to stripe the pages over (default: host CPUs, at most 4; 1 for a
-        /// destination of an earlier build).
-        #[arg(long, value_name = "N")]
-        connections: Option<u32>,
-        /// Compress page data: auto (default: while the link is slower than compressing),
-        /// none, lz4 or zstd. A destination of an earlier build needs none.
-        #[arg(long, value_name = "auto|none|lz4|zstd")]
-        compress: Option<String>,
-        /// Post-copy at once: the destination runs the guest right away and fetches pages on
-        /// demand. RISK: if the link fails before every page arrived, the guest is lost.
-        #[arg(long, conflicts_with = "post_copy_after_rounds")]
-        post_copy: bool,
-        /// Pre-copy N rounds, then switch to post-copy (same risk as --post-copy).
-        #[arg(long, value_name = "N")]
-        post_copy_after_rounds: Option<u32>,
-    },
+    Migrate(MigrateArgs),
     /// Stop the migration in progress; the guest runs on here (or stays paused if it was).
     MigrateCancel,
+}
+
+/// `ctl migrate`'s options (the fields of `vm.send-migration`'s body).
+#[derive(Args, Debug)]
+pub struct MigrateArgs {
+    /// tcp:HOST:PORT
+    pub destination: String,
+    #[arg(long, value_name = "BYTES_PER_S")]
+    pub max_bandwidth: Option<u64>,
+    #[arg(long, value_name = "N")]
+    pub downtime_ms: Option<u64>,
+    #[arg(long, value_name = "N")]
+    pub max_rounds: Option<u32>,
+    #[arg(long, value_name = "N")]
+    pub max_time_s: Option<u64>,
+    #[arg(long)]
+    pub auto_converge: bool,
+    /// Pause the guest first and copy everything (for accelerators without dirty tracking).
+    #[arg(long)]
+    pub warm: bool,
+    /// TCP connections to stripe the pages over (default: host CPUs, at most 4; 1 for a
+    /// destination of an earlier build).
+    #[arg(long, value_name = "N")]
+    pub connections: Option<u32>,
+    /// Compress page data: auto (default: while the link is slower than compressing),
+    /// none, lz4 or zstd. A destination of an earlier build needs none.
+    #[arg(long, value_name = "auto|none|lz4|zstd")]
+    pub compress: Option<String>,
+    /// Post-copy at once: the destination runs the guest right away and fetches pages on
+    /// demand. RISK: if the link fails before every page arrived, the guest is lost.
+    #[arg(long, conflicts_with = "post_copy_after_rounds")]
+    pub post_copy: bool,
+    /// Pre-copy N rounds, then switch to post-copy (same risk as --post-copy).
+    #[arg(long, value_name = "N")]
+    pub post_copy_after_rounds: Option<u32>,
 }
 
 #[derive(Args, Debug)]

@@ -12,75 +12,80 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use serde_json::{json, Value};
-use vmm::api::client::{call, Answer, ClientError};
+use vmm::api::client::{self, Answer, ClientError};
+use vmm::api::endpoints::{call, Call};
+use vmm::api::types::{
+    MigrateRequest, MigrationProgress, MigrationStatus, ResumeRequest, SnapshotReport,
+    SnapshotRequest, StateReply, VmInfo,
+};
 
-use crate::cli::{CtlArgs, CtlRequest};
+use crate::cli::{CtlArgs, CtlRequest, MigrateArgs};
 
 /// How often a migration's progress is asked for (and Ctrl-C looked at).
 const POLL: Duration = Duration::from_millis(500);
 
-/// The method, path and body of a request.
-fn http_request(
-    request: &CtlRequest,
-) -> anyhow::Result<(&'static str, &'static str, Option<Value>)> {
-    Ok(match request {
-        CtlRequest::Status => ("GET", "/api/v1/vm.info", None),
-        CtlRequest::Pause => ("PUT", "/api/v1/vm.pause", None),
-        CtlRequest::Resume { force } => ("PUT", "/api/v1/vm.resume", Some(json!({"force": force}))),
-        CtlRequest::MigrateCancel => ("PUT", "/api/v1/vm.migration-cancel", None),
-        CtlRequest::Shutdown => ("PUT", "/api/v1/vm.shutdown", None),
+pub fn run(args: &CtlArgs) -> anyhow::Result<u8> {
+    match &args.request {
+        CtlRequest::Status => exchange::<call::Info>(args, &(), print_status),
+        CtlRequest::Pause => exchange::<call::Pause>(args, &(), print_state),
+        CtlRequest::Resume { force } => {
+            exchange::<call::Resume>(args, &ResumeRequest { force: *force }, print_state)
+        }
+        CtlRequest::MigrateCancel => {
+            exchange::<call::MigrationCancel>(args, &(), |_| println!("migration cancelled"))
+        }
+        CtlRequest::Shutdown => exchange::<call::Shutdown>(args, &(), print_state),
         CtlRequest::Snapshot { file } => {
             // The VMM resolves the path in its own working directory: send it absolute.
             let path = std::path::absolute(file)
                 .with_context(|| format!("snapshot {}", file.display()))?;
-            let url = format!("file://{}", path.display());
-            (
-                "PUT",
-                "/api/v1/vm.snapshot",
-                Some(json!({"destination_url": url})),
-            )
+            let request = SnapshotRequest {
+                destination_url: format!("file://{}", path.display()),
+            };
+            exchange::<call::Snapshot>(args, &request, print_snapshot)
         }
-        CtlRequest::Migrate {
-            destination,
-            max_bandwidth,
-            downtime_ms,
-            max_rounds,
-            max_time_s,
-            auto_converge,
-            warm,
-            connections,
-            compress,
-            post_copy,
-            post_copy_after_rounds,
-        } => (
-            "PUT",
-            "/api/v1/vm.send-migration",
-            Some(json!({
-                "destination_url": destination,
-                "max_bandwidth": max_bandwidth,
-                "downtime_ms": downtime_ms,
-                "max_rounds": max_rounds,
-                "max_time_s": max_time_s,
-                "auto_converge": auto_converge,
-                "warm": warm,
-                "connections": connections,
-                "compress": compress,
-                "post_copy": post_copy,
-                "post_copy_after_rounds": post_copy_after_rounds,
-            })),
-        ),
-    })
+        CtlRequest::Migrate(options) => {
+            let answer = migrate(args, migrate_request(options))?;
+            finish::<call::SendMigration>(args, &answer, crate::report::print_migration)
+        }
+    }
 }
 
-fn send(
+/// The body of `vm.send-migration` from `ctl migrate`'s options.
+fn migrate_request(m: &MigrateArgs) -> MigrateRequest {
+    MigrateRequest {
+        destination: m.destination.clone(),
+        local: false,
+        max_bandwidth: m.max_bandwidth,
+        downtime_ms: m.downtime_ms,
+        max_rounds: m.max_rounds,
+        max_time_s: m.max_time_s,
+        auto_converge: m.auto_converge,
+        warm: m.warm,
+        connections: m.connections,
+        compress: m.compress.clone(),
+        post_copy: m.post_copy,
+        post_copy_after_rounds: m.post_copy_after_rounds,
+    }
+}
+
+/// Sends one request to the endpoint `E`, prints its reply with `show`.
+fn exchange<E: Call>(
+    args: &CtlArgs,
+    body: &E::Body,
+    show: impl FnOnce(&E::Reply),
+) -> anyhow::Result<u8> {
+    let timeout = Duration::from_secs(args.timeout);
+    let answer = send::<E>(&args.api_socket, body, Some(timeout))?;
+    finish::<E>(args, &answer, show)
+}
+
+fn send<E: Call>(
     socket: &Path,
-    method: &str,
-    path: &str,
-    body: Option<&Value>,
+    body: &E::Body,
     timeout: Option<Duration>,
 ) -> anyhow::Result<Answer> {
-    call(socket, method, path, body, timeout).map_err(|e| match e {
+    client::send::<E>(socket, body, timeout).map_err(|e| match e {
         ClientError::Connect(e) => {
             anyhow::anyhow!("--api-socket {}: cannot connect: {e}", socket.display())
         }
@@ -93,47 +98,25 @@ fn send(
     })
 }
 
-pub fn run(args: &CtlArgs) -> anyhow::Result<u8> {
-    let (method, path, body) = http_request(&args.request)?;
-    let timeout = Duration::from_secs(args.timeout);
-    let answer = if matches!(args.request, CtlRequest::Migrate { .. }) {
-        migrate(args, path, body, timeout)?
-    } else {
-        send(&args.api_socket, method, path, body.as_ref(), Some(timeout))?
-    };
-    finish(args, &answer)
-}
-
 /// A migration: the request waits on a thread of its own while this one shows the progress
-/// (asked on other connections), gives up when nothing moved for `timeout`, and asks the VMM
-/// to cancel on Ctrl-C.
-fn migrate(
-    args: &CtlArgs,
-    path: &'static str,
-    body: Option<Value>,
-    timeout: Duration,
-) -> anyhow::Result<Answer> {
+/// (asked on other connections), gives up when nothing moved for `--timeout`, and asks the
+/// VMM to cancel on Ctrl-C.
+fn migrate(args: &CtlArgs, request: MigrateRequest) -> anyhow::Result<Answer> {
     interrupt::install()?;
-    if let CtlRequest::Migrate {
-        post_copy,
-        post_copy_after_rounds,
-        ..
-    } = &args.request
-    {
-        if *post_copy || post_copy_after_rounds.is_some() {
-            eprintln!(
-                "post-copy: once the destination runs the guest, its memory is split between both \
-                 hosts; if the link or either host fails before every page arrived, the guest \
-                 is lost"
-            );
-        }
+    if request.post_copy_rounds().is_some() {
+        eprintln!(
+            "post-copy: once the destination runs the guest, its memory is split between both \
+             hosts; if the link or either host fails before every page arrived, the guest \
+             is lost"
+        );
     }
+    let timeout = Duration::from_secs(args.timeout);
     let socket = args.api_socket.clone();
     let (tx, done) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let _ = tx.send(send(&socket, "PUT", path, body.as_ref(), None));
+        let _ = tx.send(send::<call::SendMigration>(&socket, &request, None));
     });
-    let (mut last, mut last_change, mut shown) = (Value::Null, Instant::now(), false);
+    let (mut last, mut last_change, mut shown) = (None, Instant::now(), false);
     loop {
         match done.recv_timeout(POLL) {
             Ok(answer) => {
@@ -150,19 +133,11 @@ fn migrate(
         if interrupt::take() {
             cancel_migration(&args.api_socket, timeout);
         }
-        let progress = send(
-            &args.api_socket,
-            "GET",
-            "/api/v1/vm.migration-progress",
-            None,
-            Some(timeout),
-        )
-        .map(|a| a.body["progress"].clone())
-        .unwrap_or(Value::Null);
+        let progress = migration_progress(&args.api_socket, timeout);
         if progress != last {
             (last, last_change) = (progress, Instant::now());
-            if !args.json && !last.is_null() {
-                show_progress(&last);
+            if let Some(p) = last.as_ref().filter(|_| !args.json) {
+                show_progress(p);
                 shown = true;
             }
         } else if last_change.elapsed() >= timeout {
@@ -175,8 +150,19 @@ fn migrate(
     }
 }
 
-/// Prints the final reply; fails with its error.
-fn finish(args: &CtlArgs, answer: &Answer) -> anyhow::Result<u8> {
+/// The last progress report of the migration in flight, if the VMM gives one.
+fn migration_progress(socket: &Path, timeout: Duration) -> Option<MigrationProgress> {
+    let answer = send::<call::MigrationProgress>(socket, &(), Some(timeout)).ok()?;
+    let status: MigrationStatus = answer.decode().ok()?;
+    status.progress
+}
+
+/// Prints the final reply of the endpoint `E`; fails with its error.
+fn finish<E: Call>(
+    args: &CtlArgs,
+    answer: &Answer,
+    show: impl FnOnce(&E::Reply),
+) -> anyhow::Result<u8> {
     if args.json {
         println!("{}", answer.body);
     }
@@ -184,7 +170,7 @@ fn finish(args: &CtlArgs, answer: &Answer) -> anyhow::Result<u8> {
         bail!("{}", printable(&answer.fault()));
     }
     if !args.json {
-        print_human(&args.request, &answer.body);
+        show(&answer.decode::<E::Reply>()?);
     }
     Ok(0)
 }
@@ -192,13 +178,7 @@ fn finish(args: &CtlArgs, answer: &Answer) -> anyhow::Result<u8> {
 /// Ctrl-C during a migration: ask the VMM, on a second connection, to cancel it.
 fn cancel_migration(socket: &Path, timeout: Duration) {
     eprintln!("\ncancelling the migration...");
-    match send(
-        socket,
-        "PUT",
-        "/api/v1/vm.migration-cancel",
-        None,
-        Some(timeout),
-    ) {
+    match send::<call::MigrationCancel>(socket, &(), Some(timeout)) {
         Ok(a) if a.is_success() => {}
         Ok(a) => eprintln!("cannot cancel: {}", printable(&a.fault())),
         Err(e) => eprintln!("cannot cancel: {e}"),
@@ -219,71 +199,61 @@ pub fn printable(text: &str) -> String {
     out
 }
 
-fn text(v: &Value) -> String {
-    printable(v.as_str().unwrap_or("?"))
-}
-
-fn show_progress(p: &Value) {
-    let sent = p["bytes_sent"].as_u64().unwrap_or(0);
-    let remaining = p["bytes_remaining"].as_u64().unwrap_or(0);
-    let total = (sent + remaining).max(1);
+fn show_progress(p: &MigrationProgress) {
+    let total = (p.bytes_sent + p.bytes_remaining).max(1);
     let width = 30;
-    let filled = ((sent as f64 / total as f64) * width as f64) as usize;
+    let filled = ((p.bytes_sent as f64 / total as f64) * width as f64) as usize;
     eprint!(
         "\r\x1b[K[{}{}] round {} sent {:.1} MiB, remaining {:.1} MiB, {:.1} MiB/s",
         "#".repeat(filled.min(width)),
         " ".repeat(width - filled.min(width)),
-        p["round"].as_u64().unwrap_or(0),
-        sent as f64 / 1048576.0,
-        remaining as f64 / 1048576.0,
-        p["bandwidth"].as_f64().unwrap_or(0.0) / 1048576.0,
+        p.round,
+        p.bytes_sent as f64 / 1048576.0,
+        p.bytes_remaining as f64 / 1048576.0,
+        p.bandwidth / 1048576.0,
     );
 }
 
-fn print_human(request: &CtlRequest, v: &Value) {
-    match request {
-        CtlRequest::Status => {
-            println!("state:   {}", text(&v["state"]));
-            if v["operation"].is_string() {
-                println!("busy:    {} in progress", text(&v["operation"]));
-            }
-            println!("vCPUs:   {}", v["vcpus"]);
-            println!(
-                "memory:  {} MiB",
-                v["memory_bytes"].as_u64().unwrap_or(0) >> 20
-            );
-            println!("irqchip: {}", text(&v["irqchip"]));
-            let dropped = v["serial_dropped_bytes"].as_u64().unwrap_or(0);
-            if dropped > 0 {
-                println!("serial:  {dropped} bytes of output dropped (nobody read them)");
-            }
-            if let Some(counts) = v["instruction_completions"].as_object() {
-                let list: Vec<String> = counts
-                    .iter()
-                    .map(|(name, n)| format!("{name} {n}"))
-                    .collect();
-                if !list.is_empty() {
-                    println!("completed: {}", printable(&list.join(", ")));
-                }
-            }
-            if let Some(m) = v.get("migration").filter(|m| !m.is_null()) {
-                println!("migration: {}", printable(&m.to_string()));
-            }
-        }
-        CtlRequest::Migrate { .. } => crate::report::print_migration(v),
-        CtlRequest::MigrateCancel => println!("migration cancelled"),
-        CtlRequest::Snapshot { .. } => println!(
-            "snapshot written: {} ({:.1} MiB of pages, guest paused {} ms)",
-            text(&v["path"]),
-            v["bytes"].as_u64().unwrap_or(0) as f64 / 1048576.0,
-            v["paused_ms"].as_u64().unwrap_or(0),
-        ),
-        _ => {
-            println!("{}", printable(v["state"].as_str().unwrap_or("ok")));
-            if let Some(message) = v["message"].as_str() {
-                println!("{}", printable(message));
-            }
-        }
+fn print_status(info: &VmInfo) {
+    println!("state:   {}", printable(&info.state));
+    if let Some(operation) = &info.operation {
+        println!("busy:    {} in progress", printable(operation));
+    }
+    println!("vCPUs:   {}", info.vcpus);
+    println!("memory:  {} MiB", info.memory_bytes >> 20);
+    println!("irqchip: {}", printable(&info.irqchip));
+    if info.serial_dropped_bytes > 0 {
+        println!(
+            "serial:  {} bytes of output dropped (nobody read them)",
+            info.serial_dropped_bytes
+        );
+    }
+    let completed: Vec<String> = (info.instruction_completions.iter())
+        .map(|(name, n)| format!("{name} {n}"))
+        .collect();
+    if !completed.is_empty() {
+        println!("completed: {}", printable(&completed.join(", ")));
+    }
+    if let Some(m) = &info.migration {
+        let figures = serde_json::to_string(m).unwrap_or_default();
+        println!("migration: {}", printable(&figures));
+    }
+}
+
+fn print_snapshot(report: &SnapshotReport) {
+    println!(
+        "snapshot written: {} ({:.1} MiB of pages, guest paused {} ms)",
+        printable(&report.path),
+        report.bytes as f64 / 1048576.0,
+        report.paused_ms as u64,
+    );
+}
+
+/// The reply of pause, resume and shutdown.
+fn print_state(reply: &StateReply) {
+    println!("{}", printable(&reply.state));
+    if let Some(message) = &reply.message {
+        println!("{}", printable(message));
     }
 }
 

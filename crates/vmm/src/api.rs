@@ -1,5 +1,6 @@
 //! The control API: HTTP/1.1 on a Unix socket (docs/api.md, docs/api.yaml).
 //!
+//! - [`endpoints`] is the table of endpoints (method, path, body and reply types);
 //! - [`request`] decodes method, path and body into a [`Request`] (pure, fuzzed);
 //! - [`http`] is the transport: hyper on a current-thread tokio runtime on the API thread,
 //!   with limits on connections, sizes and time;
@@ -7,9 +8,11 @@
 //!   configuration, as Firecracker does, or running a machine, whose state changes go through
 //!   [`Supervisor`]);
 //! - [`firecracker`] keeps the configuration set through Firecracker's pre-boot endpoints;
-//! - [`client`] is the blocking client `ferrovm ctl` and the tests use.
+//! - [`client`] is the blocking client `ferrovm ctl` (through [`endpoints::call`]'s typed
+//!   calls) and the tests use.
 
 pub mod client;
+pub mod endpoints;
 pub mod firecracker;
 pub mod http;
 pub mod request;
@@ -19,21 +22,21 @@ use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
 use devices::exit::{ExitReason, ExitRequest};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
 use crate::runstate::{MigrationCancel, RunState, Supervisor};
 pub use request::{parse_request, Refusal, Request};
+pub use types::MigrateRequest;
 use types::*;
 
 /// What a request may ask of the machine beyond pausing it.
 pub trait MachineOps: Send + Sync {
     /// Writes a snapshot of the machine to `path`. `paused`: the guest is paused already
     /// (and stays so); otherwise it is paused for the snapshot and runs again after.
-    fn snapshot(&self, path: &Path, paused: bool) -> Result<Value>;
-    /// Migrates the machine; `progress` receives one JSON object per update; `cancel` stops
-    /// it. `paused`: the guest is paused already, and stays paused here on failure (and on the
+    fn snapshot(&self, path: &Path, paused: bool) -> Result<SnapshotReport>;
+    /// Migrates the machine; `progress` receives every update; `cancel` stops it. `paused`: the guest is paused already, and stays paused here on failure (and on the
     /// destination). On success the guest stays paused here and the caller ends this copy of
     /// the machine ([`ExitReason::Migrated`]) once the reply is on its way.
     fn migrate(
@@ -41,65 +44,14 @@ pub trait MachineOps: Send + Sync {
         request: &MigrateRequest,
         paused: bool,
         cancel: &MigrationCancel,
-        progress: &mut dyn FnMut(Value),
-    ) -> Result<Value>;
+        progress: &mut dyn FnMut(MigrationProgress),
+    ) -> Result<MigrationReport>;
     /// Before a paused guest's vCPUs run again: resumes the devices and timers a snapshot or
     /// a migration left paused with it. With `take_back` (a forced resume after a migration
     /// of unknown outcome) it first takes back the disk locks the hand-over may have released,
     /// and fails, with everything left as it was, if one is held elsewhere (the destination:
     /// it may be running the guest).
     fn resume_devices(&self, take_back: bool) -> Result<()>;
-}
-
-/// `PUT /api/v1/vm.send-migration`: Cloud Hypervisor's `destination_url` and ferrovm's knobs.
-/// New knobs must have a default (older clients leave them out).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MigrateRequest {
-    /// `tcp:HOST:PORT`.
-    #[serde(rename = "destination_url", alias = "destination")]
-    pub destination: String,
-    /// Cloud Hypervisor's same-host migration: only `false`.
-    #[serde(default)]
-    pub local: bool,
-    /// Bytes per second.
-    #[serde(default)]
-    pub max_bandwidth: Option<u64>,
-    #[serde(default)]
-    pub downtime_ms: Option<u64>,
-    #[serde(default)]
-    pub max_rounds: Option<u32>,
-    #[serde(default)]
-    pub max_time_s: Option<u64>,
-    #[serde(default)]
-    pub auto_converge: bool,
-    /// Pause first, copy everything, resume on the destination (no dirty tracking needed).
-    #[serde(default)]
-    pub warm: bool,
-    /// TCP connections to stripe the pages over (1 to 16; default: the host's CPUs, at most
-    /// 4). A destination of a build without data connections needs 1.
-    #[serde(default)]
-    pub connections: Option<u32>,
-    /// Compression of page data: "auto" (default: on while the link is slower than
-    /// compressing), "none", "lz4" or "zstd".
-    #[serde(default)]
-    pub compress: Option<String>,
-    /// Switch to post-copy right away (no pre-copy round): the destination runs the guest at
-    /// once and fetches missing pages on demand. If the link fails before every page is
-    /// there, the guest is lost.
-    #[serde(default)]
-    pub post_copy: bool,
-    /// Pre-copy this many rounds, then switch to post-copy (same risk as `post_copy`).
-    #[serde(default)]
-    pub post_copy_after_rounds: Option<u32>,
-}
-
-impl MigrateRequest {
-    /// The live rounds before the switch to post-copy, if post-copy is asked for.
-    pub fn post_copy_rounds(&self) -> Option<u32> {
-        self.post_copy_after_rounds
-            .or(if self.post_copy { Some(0) } else { None })
-    }
 }
 
 /// What the API reports about the machine.
@@ -173,7 +125,7 @@ pub struct Api {
     pub exit: Arc<ExitRequest>,
     pub info: MachineInfo,
     /// The last progress report of a migration in flight.
-    pub migration: Mutex<Option<Value>>,
+    pub migration: Mutex<Option<MigrationProgress>>,
     /// The serial console's output queue, for the count of bytes dropped.
     pub serial: Option<Arc<devices::output::OutputQueue>>,
     /// The i8042, whose keyboard presses Ctrl+Alt+Del for `SendCtrlAltDel`.
@@ -223,9 +175,7 @@ impl Api {
     }
 
     fn progress(&self) -> Option<MigrationProgress> {
-        lock(&self.migration)
-            .clone()
-            .and_then(|v| serde_json::from_value(v).ok())
+        lock(&self.migration).clone()
     }
 
     pub fn info(&self) -> VmInfo {
@@ -322,7 +272,7 @@ impl Api {
     /// file), replacing only a regular file there.
     /// Resumes the guest on a migration thread: it may resume devices held since a snapshot,
     /// or take disk locks back (`force`), the migration role's calls.
-    fn resume(&self, force: bool) -> Result<Value> {
+    fn resume(&self, force: bool) -> Result<StateReply> {
         on_migration_thread(
             &self.supervisor,
             move |sup, _| resume_reply(sup, force),
@@ -330,8 +280,8 @@ impl Api {
         )
     }
 
-    fn snapshot(&self, path: PathBuf, link: Option<PathBuf>) -> Result<Value> {
-        let work = move |sup: &Supervisor, _: &mut dyn FnMut(Value)| {
+    fn snapshot(&self, path: PathBuf, link: Option<PathBuf>) -> Result<SnapshotReport> {
+        let work = move |sup: &Supervisor, _: &mut dyn FnMut(MigrationProgress)| {
             let report = sup.snapshot(&path)?;
             if let Some(link) = link {
                 link_snapshot(&path, &link)?;
@@ -345,7 +295,7 @@ impl Api {
         if request.local {
             return Reply::fault(400, "local: not supported (ferrovm migrates over TCP)");
         }
-        let progress = |p: Value| *lock(&self.migration) = Some(p);
+        let progress = |p| *lock(&self.migration) = Some(p);
         let result = on_migration_thread(
             &self.supervisor,
             move |sup, progress| sup.migrate(&request, progress),
@@ -408,34 +358,33 @@ fn request_name(request: &Request) -> &'static str {
 }
 
 /// `vm.resume`'s reply: the state, and what a forced resume took back.
-fn resume_reply(sup: &Supervisor, force: bool) -> Result<Value> {
+fn resume_reply(sup: &Supervisor, force: bool) -> Result<StateReply> {
     let (state, taken_back) = sup.resume_reporting(force)?;
-    let reply = StateReply {
+    Ok(StateReply {
         message: taken_back.then(|| crate::runstate::TAKEN_BACK.into()),
         ..Api::state_reply(state)
-    };
-    serde_json::to_value(reply).map_err(|e| Error::Control(e.to_string()))
+    })
 }
 
 /// What the migration thread sends back to the API thread that started it.
-enum Step {
-    Progress(Value),
-    Done(Result<Value>),
+enum Step<T> {
+    Progress(MigrationProgress),
+    Done(Result<T>),
 }
 
 /// Runs a snapshot or a migration on a thread of its own (role `migration`): the API threads,
 /// which parse what clients send, are then not allowed the file and network calls it makes.
 /// Its progress reports come back here, to `progress`.
-fn on_migration_thread(
+fn on_migration_thread<T: Send + 'static>(
     supervisor: &Arc<Supervisor>,
-    work: impl FnOnce(&Supervisor, &mut dyn FnMut(Value)) -> Result<Value> + Send + 'static,
-    mut progress: impl FnMut(Value),
-) -> Result<Value> {
+    work: impl FnOnce(&Supervisor, &mut dyn FnMut(MigrationProgress)) -> Result<T> + Send + 'static,
+    mut progress: impl FnMut(MigrationProgress),
+) -> Result<T> {
     let (tx, steps) = mpsc::channel();
     let sup = supervisor.clone();
     sandbox::spawn(sandbox::Role::Migration, "migration", move || {
         let reports = tx.clone();
-        let mut report = move |p: Value| {
+        let mut report = move |p| {
             let _ = reports.send(Step::Progress(p));
         };
         let result = work(&sup, &mut report);

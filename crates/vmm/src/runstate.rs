@@ -15,8 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use serde_json::Value;
-
+use crate::api::types::{MigrationProgress, MigrationReport, SnapshotReport};
 use crate::api::{MachineOps, MigrateRequest};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
@@ -321,7 +320,7 @@ impl Supervisor {
 
     /// Writes a snapshot to `path`. The guest is paused for it if it runs, and left as it
     /// was found.
-    pub fn snapshot(&self, path: &Path) -> Result<Value> {
+    pub fn snapshot(&self, path: &Path) -> Result<SnapshotReport> {
         let ops = self.ops("snapshot")?;
         let busy = self.begin(Operation::Snapshot)?;
         ops.snapshot(path, busy.from.is_paused())
@@ -334,8 +333,8 @@ impl Supervisor {
     pub fn migrate(
         &self,
         request: &MigrateRequest,
-        progress: &mut dyn FnMut(Value),
-    ) -> Result<Value> {
+        progress: &mut dyn FnMut(MigrationProgress),
+    ) -> Result<MigrationReport> {
         let ops = self.ops("migrate")?;
         let busy = self.begin(Operation::Migration)?;
         if busy.from == RunState::MigrationOutcomeUnknown {
@@ -384,11 +383,20 @@ mod tests {
     }
 
     impl MachineOps for Gate {
-        fn snapshot(&self, _: &Path, paused: bool) -> Result<Value> {
+        fn snapshot(&self, path: &Path, paused: bool) -> Result<SnapshotReport> {
             lock(&self.seen_paused).push(paused);
             let _ = lock(&self.started).send(());
             lock(&self.finish).recv().unwrap()?;
-            Ok(Value::Null)
+            Ok(SnapshotReport {
+                path: path.display().to_string(),
+                paused_ms: 0.0,
+                total_ms: 0.0,
+                bytes: 0,
+                file_bytes: 0,
+                pages: 0,
+                zero_pages: 0,
+                untouched_pages_skipped: 0,
+            })
         }
 
         fn migrate(
@@ -396,15 +404,17 @@ mod tests {
             _: &MigrateRequest,
             paused: bool,
             cancel: &MigrationCancel,
-            _: &mut dyn FnMut(Value),
-        ) -> Result<Value> {
+            _: &mut dyn FnMut(MigrationProgress),
+        ) -> Result<MigrationReport> {
             lock(&self.seen_paused).push(paused);
             let _ = lock(&self.started).send(());
             let outcome = lock(&self.finish).recv().unwrap();
             if cancel.is_cancelled() {
                 return Err(Error::Migration("cancelled".into()));
             }
-            outcome.map(|_| Value::Null)
+            outcome.map(|_| MigrationReport {
+                report: serde_json::Value::Null,
+            })
         }
 
         fn resume_devices(&self, take_back: bool) -> Result<()> {

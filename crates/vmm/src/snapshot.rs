@@ -16,6 +16,7 @@ use migration::{
 };
 use serde_json::{json, Value};
 
+use crate::api::types as api;
 use crate::api::{MachineOps, MigrateRequest};
 use crate::control::RunControl;
 use crate::error::{Error, Result};
@@ -256,17 +257,15 @@ pub fn report_json(r: &MigrationReport) -> Value {
     })
 }
 
-fn progress_json(p: &Progress) -> Value {
-    json!({
-        "phase": format!("{:?}", p.phase),
-        "round": p.round,
-        "bytes_sent": p.bytes_sent,
-        "bytes_remaining": p.bytes_remaining_estimate,
-        "dirty_rate": p.dirty_rate_pages_per_s,
-        "bandwidth": p.bandwidth_bytes_per_s,
-        "throttle_percent": p.throttle_percent,
-        "elapsed_ms": p.elapsed_ms,
-    })
+/// The engine's progress as the API reports it.
+fn api_progress(p: &Progress) -> api::MigrationProgress {
+    api::MigrationProgress {
+        round: p.round.into(),
+        bytes_sent: p.bytes_sent,
+        bytes_remaining: p.bytes_remaining_estimate,
+        dirty_rate: p.dirty_rate_pages_per_s,
+        bandwidth: p.bandwidth_bytes_per_s,
+    }
 }
 
 impl MachineOps for Core {
@@ -274,7 +273,7 @@ impl MachineOps for Core {
     /// into place once complete and on disk: an existing file at `path` — even the one this
     /// guest was lazily restored from and still maps — is replaced whole, never rewritten in
     /// place, and a failed snapshot leaves it as it was.
-    fn snapshot(&self, path: &Path, paused: bool) -> Result<Value> {
+    fn snapshot(&self, path: &Path, paused: bool) -> Result<api::SnapshotReport> {
         self.check_can_save()?;
         let started = Instant::now();
         let file_err = |reason: String| Error::File {
@@ -310,16 +309,16 @@ impl MachineOps for Core {
         }
         self.temp_state().path = None;
         let report = result?;
-        Ok(json!({
-            "path": path,
-            "paused_ms": ms(paused_for),
-            "total_ms": ms(started.elapsed()),
-            "bytes": report.bytes_total,
-            "file_bytes": report.file_bytes,
-            "pages": report.round.pages_sent,
-            "zero_pages": report.round.zero_pages,
-            "untouched_pages_skipped": report.untouched_pages_skipped,
-        }))
+        Ok(api::SnapshotReport {
+            path: path.to_string_lossy().into_owned(),
+            paused_ms: ms(paused_for),
+            total_ms: ms(started.elapsed()),
+            bytes: report.bytes_total,
+            file_bytes: report.file_bytes,
+            pages: report.round.pages_sent,
+            zero_pages: report.round.zero_pages,
+            untouched_pages_skipped: report.untouched_pages_skipped,
+        })
     }
 
     fn migrate(
@@ -327,8 +326,8 @@ impl MachineOps for Core {
         request: &MigrateRequest,
         paused: bool,
         cancel: &MigrationCancel,
-        progress: &mut dyn FnMut(Value),
-    ) -> Result<Value> {
+        progress: &mut dyn FnMut(api::MigrationProgress),
+    ) -> Result<api::MigrationReport> {
         let here = if paused {
             "the guest stays paused here"
         } else {
@@ -366,7 +365,9 @@ impl MachineOps for Core {
         match result {
             // The destination runs the guest now; the API ends this copy once the reply is
             // written (the guest stays paused until then).
-            Ok(report) => Ok(json!({"report": report_json(&report)})),
+            Ok(report) => Ok(api::MigrationReport {
+                report: report_json(&report),
+            }),
             Err(e @ migration::Error::OutcomeUnknown { .. }) => {
                 Err(Error::MigrationOutcomeUnknown(e.to_string()))
             }
@@ -416,7 +417,7 @@ impl Core {
         request: &MigrateRequest,
         paused: bool,
         cancel: &MigrationCancel,
-        progress: &mut dyn FnMut(Value),
+        progress: &mut dyn FnMut(api::MigrationProgress),
     ) -> migration::Result<MigrationReport> {
         let ack_in = stream
             .try_clone()
@@ -492,7 +493,7 @@ impl Core {
                 if p.phase == migration::Phase::WaitingAck {
                     cancel.final_state_sent();
                 }
-                progress(progress_json(p))
+                progress(api_progress(p))
             },
             &migration_thread,
         );

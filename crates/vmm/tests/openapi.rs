@@ -1,5 +1,5 @@
 //! docs/api.yaml (the OpenAPI document) against the server: the same paths and methods as
-//! [`vmm::api::request::ENDPOINTS`], the same request and reply schema per endpoint, and for
+//! [`vmm::api::endpoints::ENDPOINTS`], the same request and reply schema per endpoint, and for
 //! every schema the same field names as its Rust type (a fully populated sample must
 //! deserialize and serialize back with exactly the schema's properties) and the same required
 //! fields (a field the type cannot do without is `required` in the schema, and the reverse,
@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 
 use serde::{de::DeserializeOwned, Serialize};
 use serde_json::{json, Value};
-use vmm::api::request::ENDPOINTS;
+use vmm::api::endpoints::ENDPOINTS;
 use vmm::api::types::*;
 use vmm::api::MigrateRequest;
 

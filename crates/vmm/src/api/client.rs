@@ -8,7 +8,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::header::{CONTENT_TYPE, HOST};
 use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
+
+use super::endpoints::Call;
 
 /// What a request can end in, besides a reply.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +43,35 @@ impl Answer {
             .map(str::to_string)
             .unwrap_or_else(|| format!("HTTP status {}", self.status))
     }
+}
+
+impl Answer {
+    /// The body as the reply type `T` (an endpoint's [`Call::Reply`]).
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, ClientError> {
+        T::deserialize(&self.body).map_err(|e| ClientError::Http(format!("malformed reply: {e}")))
+    }
+}
+
+/// Sends `body` to the endpoint `E` (one without a path parameter) and waits for its reply,
+/// at most `timeout` if given. A body of `()` is sent as none.
+pub fn send<E: Call>(
+    socket: &Path,
+    body: &E::Body,
+    timeout: Option<Duration>,
+) -> Result<Answer, ClientError> {
+    debug_assert!(
+        !E::PATH.contains('{'),
+        "{} needs its path parameter",
+        E::PATH
+    );
+    let body = serde_json::to_value(body).map_err(|e| ClientError::Http(e.to_string()))?;
+    call(
+        socket,
+        E::METHOD,
+        E::PATH,
+        (!body.is_null()).then_some(&body),
+        timeout,
+    )
 }
 
 /// Sends one request and waits for its reply, at most `timeout` if given.

@@ -11,8 +11,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
-use serde_json::Value;
-
 use super::types::*;
 use super::{MachineInfo, Reply, Request};
 use crate::config::{
@@ -94,7 +92,7 @@ pub fn full_config_of(info: &MachineInfo) -> FcFullConfig {
 /// links `mem_file_path` to it, see the module documentation).
 pub fn create_snapshot(
     request: &FcSnapshotCreate,
-    write: impl FnOnce(&Path, Option<&Path>) -> Result<Value>,
+    write: impl FnOnce(&Path, Option<&Path>) -> Result<SnapshotReport>,
 ) -> Reply {
     if !matches!(request.snapshot_type.as_deref(), None | Some("Full")) {
         return bad("snapshot_type: only Full snapshots (ferrovm has no diff snapshots)");

@@ -4,100 +4,13 @@
 
 use serde::de::DeserializeOwned;
 
+pub use super::endpoints::{Endpoint, ENDPOINTS};
 use super::types::*;
-use super::MigrateRequest;
 
 /// The prefix of ferrovm's own (Cloud-Hypervisor-style) endpoints.
 pub const V1: &str = "/api/v1/";
 
-/// One endpoint: method, path (`{id}` for a path parameter), the schema names of its
-/// request and reply bodies (docs/api.yaml's `components/schemas`). Checked against the
-/// OpenAPI document by a test.
-pub struct Endpoint {
-    pub method: &'static str,
-    pub path: &'static str,
-    pub request: Option<&'static str>,
-    pub reply: Option<&'static str>,
-}
-
-const fn ep(
-    method: &'static str,
-    path: &'static str,
-    request: Option<&'static str>,
-    reply: Option<&'static str>,
-) -> Endpoint {
-    Endpoint {
-        method,
-        path,
-        request,
-        reply,
-    }
-}
-
-/// Every endpoint the server answers.
-pub const ENDPOINTS: &[Endpoint] = &[
-    ep("GET", "/api/v1/vmm.ping", None, Some("VmmPing")),
-    ep("GET", "/api/v1/vm.info", None, Some("VmInfo")),
-    ep("PUT", "/api/v1/vm.pause", None, Some("StateReply")),
-    ep(
-        "PUT",
-        "/api/v1/vm.resume",
-        Some("ResumeRequest"),
-        Some("StateReply"),
-    ),
-    ep("PUT", "/api/v1/vm.shutdown", None, Some("StateReply")),
-    ep(
-        "PUT",
-        "/api/v1/vm.snapshot",
-        Some("SnapshotRequest"),
-        Some("SnapshotReport"),
-    ),
-    ep("PUT", "/api/v1/vm.restore", Some("RestoreRequest"), None),
-    ep(
-        "PUT",
-        "/api/v1/vm.send-migration",
-        Some("MigrateRequest"),
-        Some("MigrationReport"),
-    ),
-    ep(
-        "PUT",
-        "/api/v1/vm.receive-migration",
-        Some("ReceiveMigrationRequest"),
-        None,
-    ),
-    ep(
-        "GET",
-        "/api/v1/vm.migration-progress",
-        None,
-        Some("MigrationStatus"),
-    ),
-    ep(
-        "PUT",
-        "/api/v1/vm.migration-cancel",
-        None,
-        Some("CancelReply"),
-    ),
-    ep("GET", "/", None, Some("FcInstanceInfo")),
-    ep("GET", "/version", None, Some("FcVersion")),
-    ep("GET", "/machine-config", None, Some("FcMachineConfig")),
-    ep("PUT", "/machine-config", Some("FcMachineConfig"), None),
-    ep("PUT", "/boot-source", Some("FcBootSource"), None),
-    ep("PUT", "/drives/{drive_id}", Some("FcDrive"), None),
-    ep(
-        "PUT",
-        "/network-interfaces/{iface_id}",
-        Some("FcNetworkInterface"),
-        None,
-    ),
-    ep("PUT", "/vsock", Some("FcVsock"), None),
-    ep("PUT", "/actions", Some("FcAction"), None),
-    ep("PATCH", "/vm", Some("FcVmState"), None),
-    ep("PUT", "/snapshot/create", Some("FcSnapshotCreate"), None),
-    ep("PUT", "/snapshot/load", Some("FcSnapshotLoad"), None),
-    ep("GET", "/vm/config", None, Some("FcFullConfig")),
-];
-
-/// One request, decoded.
+/// One request, decoded. Each variant has its line in [`ENDPOINTS`].
 #[derive(Debug)]
 pub enum Request {
     Ping,
@@ -142,12 +55,12 @@ impl Refusal {
     }
 }
 
-fn body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Refusal> {
+pub(super) fn body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Refusal> {
     serde_json::from_slice(bytes).map_err(|e| Refusal::new(400, format!("bad request body: {e}")))
 }
 
 /// A body that may be absent (empty): then the type's default.
-fn optional_body<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Refusal> {
+pub(super) fn optional_body<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Refusal> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         Ok(T::default())
     } else {
@@ -172,70 +85,85 @@ fn path_id(id: &str) -> Result<String, Refusal> {
     }
 }
 
+/// Firecracker's endpoints ferrovm does not implement: a 400 that says so, not a 404.
+const UNSUPPORTED: &[&str] = &[
+    "/logger",
+    "/metrics",
+    "/mmds",
+    "/mmds/config",
+    "/balloon",
+    "/entropy",
+    "/cpu-config",
+];
+
+/// A body that names its object by an id also given in the path (`PUT /drives/{drive_id}`).
+pub trait IdInPath {
+    /// The body field that holds the id.
+    const ID_FIELD: &'static str;
+    fn id(&self) -> &str;
+}
+
+impl IdInPath for FcDrive {
+    const ID_FIELD: &'static str = "drive_id";
+    fn id(&self) -> &str {
+        &self.drive_id
+    }
+}
+
+impl IdInPath for FcNetworkInterface {
+    const ID_FIELD: &'static str = "iface_id";
+    fn id(&self) -> &str {
+        &self.iface_id
+    }
+}
+
+/// The path's id and the body, which must name the same id.
+pub(super) fn body_for_id<T: DeserializeOwned + IdInPath>(
+    id: &str,
+    bytes: &[u8],
+) -> Result<(String, T), Refusal> {
+    let id = path_id(id)?;
+    let value: T = body(bytes)?;
+    if value.id() != id {
+        return Err(Refusal::new(
+            400,
+            format!("{} differs from the path's id", T::ID_FIELD),
+        ));
+    }
+    Ok((id, value))
+}
+
+/// The path parameter if `path` is one of `pattern` (empty if the pattern has none). For
+/// `/drives/{drive_id}` it is everything after `/drives/`, refused when decoded if it is not
+/// one clean segment.
+fn parameter<'a>(pattern: &str, path: &'a str) -> Option<&'a str> {
+    match pattern.split_once('{') {
+        Some((prefix, _)) => path.strip_prefix(prefix),
+        None => (pattern == path).then_some(""),
+    }
+}
+
 /// Decodes a request. `path` may carry a query string, which is ignored.
 pub fn parse_request(method: &str, path: &str, bytes: &[u8]) -> Result<Request, Refusal> {
     let path = path.split('?').next().unwrap_or(path);
-    let known = ENDPOINTS.iter().any(|e| matches_path(e.path, path));
-    let request = match (method, path) {
-        ("GET", "/api/v1/vmm.ping") => Request::Ping,
-        ("GET", "/api/v1/vm.info") => Request::Info,
-        ("PUT", "/api/v1/vm.pause") => Request::Pause,
-        ("PUT", "/api/v1/vm.resume") => Request::Resume(optional_body(bytes)?),
-        ("PUT", "/api/v1/vm.shutdown") => Request::Shutdown,
-        ("PUT", "/api/v1/vm.snapshot") => Request::Snapshot(body(bytes)?),
-        ("PUT", "/api/v1/vm.restore") => Request::Restore(body(bytes)?),
-        ("PUT", "/api/v1/vm.send-migration") => Request::SendMigration(body(bytes)?),
-        ("PUT", "/api/v1/vm.receive-migration") => Request::ReceiveMigration(body(bytes)?),
-        ("GET", "/api/v1/vm.migration-progress") => Request::MigrationProgress,
-        ("PUT", "/api/v1/vm.migration-cancel") => Request::MigrationCancel,
-        ("GET", "/") => Request::FcInstanceInfo,
-        ("GET", "/version") => Request::FcVersion,
-        ("GET", "/machine-config") => Request::FcGetMachineConfig,
-        ("PUT", "/machine-config") => Request::FcPutMachineConfig(body(bytes)?),
-        ("PUT", "/boot-source") => Request::FcBootSource(body(bytes)?),
-        ("PUT", "/vsock") => Request::FcVsock(body(bytes)?),
-        ("PUT", "/actions") => Request::FcAction(body(bytes)?),
-        ("PATCH", "/vm") => Request::FcPatchVm(body(bytes)?),
-        ("PUT", "/snapshot/create") => Request::FcSnapshotCreate(body(bytes)?),
-        ("PUT", "/snapshot/load") => Request::FcSnapshotLoad(body(bytes)?),
-        ("GET", "/vm/config") => Request::FcVmConfig,
-        ("PUT", p) if p.starts_with("/drives/") => {
-            let id = path_id(&p["/drives/".len()..])?;
-            let drive: FcDrive = body(bytes)?;
-            if drive.drive_id != id {
-                return Err(Refusal::new(400, "drive_id differs from the path's id"));
-            }
-            Request::FcDrive(id, drive)
+    for endpoint in ENDPOINTS.iter().filter(|e| e.method == method) {
+        if let Some(parameter) = parameter(endpoint.path, path) {
+            return (endpoint.decode)(parameter, bytes);
         }
-        ("PUT", p) if p.starts_with("/network-interfaces/") => {
-            let id = path_id(&p["/network-interfaces/".len()..])?;
-            let iface: FcNetworkInterface = body(bytes)?;
-            if iface.iface_id != id {
-                return Err(Refusal::new(400, "iface_id differs from the path's id"));
-            }
-            Request::FcNetworkInterface(id, iface)
-        }
-        (_, "/logger")
-        | (_, "/metrics")
-        | (_, "/mmds")
-        | (_, "/mmds/config")
-        | (_, "/balloon")
-        | (_, "/entropy")
-        | (_, "/cpu-config") => {
-            return Err(Refusal::new(
-                400,
-                format!("{path}: not supported by ferrovm (it logs to stderr, FERROVM_LOG)"),
-            ))
-        }
-        _ if known => {
-            return Err(Refusal::new(
-                405,
-                format!("{method} is not allowed on {path}"),
-            ))
-        }
-        _ => return Err(Refusal::new(404, format!("no such endpoint: {path}"))),
-    };
-    Ok(request)
+    }
+    if UNSUPPORTED.contains(&path) {
+        return Err(Refusal::new(
+            400,
+            format!("{path}: not supported by ferrovm (it logs to stderr, FERROVM_LOG)"),
+        ));
+    }
+    if ENDPOINTS.iter().any(|e| matches_path(e.path, path)) {
+        return Err(Refusal::new(
+            405,
+            format!("{method} is not allowed on {path}"),
+        ));
+    }
+    Err(Refusal::new(404, format!("no such endpoint: {path}")))
 }
 
 /// Decodes a request in the form the fuzz target and property tests feed: `METHOD PATH`, a
@@ -253,31 +181,7 @@ pub fn parse_wire(data: &[u8]) -> Result<Request, Refusal> {
 
 /// The endpoint path a request was decoded from (its pattern, `{id}` for a parameter).
 pub fn endpoint_of(request: &Request) -> &'static str {
-    match request {
-        Request::Ping => "/api/v1/vmm.ping",
-        Request::Info => "/api/v1/vm.info",
-        Request::Pause => "/api/v1/vm.pause",
-        Request::Resume(_) => "/api/v1/vm.resume",
-        Request::Shutdown => "/api/v1/vm.shutdown",
-        Request::Snapshot(_) => "/api/v1/vm.snapshot",
-        Request::Restore(_) => "/api/v1/vm.restore",
-        Request::SendMigration(_) => "/api/v1/vm.send-migration",
-        Request::ReceiveMigration(_) => "/api/v1/vm.receive-migration",
-        Request::MigrationProgress => "/api/v1/vm.migration-progress",
-        Request::MigrationCancel => "/api/v1/vm.migration-cancel",
-        Request::FcInstanceInfo => "/",
-        Request::FcVersion => "/version",
-        Request::FcGetMachineConfig | Request::FcPutMachineConfig(_) => "/machine-config",
-        Request::FcBootSource(_) => "/boot-source",
-        Request::FcDrive(..) => "/drives/{drive_id}",
-        Request::FcNetworkInterface(..) => "/network-interfaces/{iface_id}",
-        Request::FcVsock(_) => "/vsock",
-        Request::FcAction(_) => "/actions",
-        Request::FcPatchVm(_) => "/vm",
-        Request::FcSnapshotCreate(_) => "/snapshot/create",
-        Request::FcSnapshotLoad(_) => "/snapshot/load",
-        Request::FcVmConfig => "/vm/config",
-    }
+    request.endpoint().path
 }
 
 /// Whether `path` is an instance of the endpoint path `pattern` (`{id}` matches one

@@ -98,8 +98,9 @@ pub struct ReceiveMigrationRequest {
 pub struct SnapshotReport {
     /// The snapshot file.
     pub path: String,
-    pub paused_ms: u64,
-    pub total_ms: u64,
+    /// Milliseconds, with a fraction (as the server has always sent them).
+    pub paused_ms: f64,
+    pub total_ms: f64,
     pub bytes: u64,
     pub file_bytes: u64,
     pub pages: u64,
@@ -108,7 +109,7 @@ pub struct SnapshotReport {
 }
 
 /// One migration progress report (`GET /api/v1/vm.migration-progress`, `vm.info`).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct MigrationProgress {
     pub round: u64,
     pub bytes_sent: u64,
@@ -141,6 +142,103 @@ pub struct MigrationReport {
     /// Per round `index`, `duration_ms`, `pages_sent`, `zero_pages`, `bytes_sent`,
     /// `dirty_pages_found`; `total_ms`, `downtime_ms`, `bytes_total`, `converged`.
     pub report: Value,
+}
+
+impl MigrationReport {
+    /// The figures `ferrovm ctl` shows, read from `report`.
+    pub fn figures(&self) -> Result<MigrationFigures, serde_json::Error> {
+        MigrationFigures::deserialize(&self.report)
+    }
+}
+
+/// The figures of a [`MigrationReport`] that `ferrovm ctl` shows (the report has more);
+/// absent ones read as zero, as an older server may leave some out.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct MigrationFigures {
+    pub rounds: Vec<RoundFigures>,
+    pub total_ms: f64,
+    pub downtime_ms: f64,
+    pub bytes_total: u64,
+    pub converged: bool,
+    /// After a switch to post-copy.
+    pub postcopy: Option<PostcopyFigures>,
+}
+
+/// One round of a [`MigrationFigures`].
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct RoundFigures {
+    pub index: u64,
+    pub duration_ms: f64,
+    pub pages_sent: u64,
+    pub zero_pages: u64,
+    pub bytes_sent: u64,
+    pub dirty_pages_found: u64,
+}
+
+/// What post-copy did, in a [`MigrationFigures`].
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct PostcopyFigures {
+    pub after_rounds: u64,
+    pub missing_pages: u64,
+    pub pages_on_demand: u64,
+    pub pages_streamed: u64,
+    pub requests: u64,
+    pub bytes: u64,
+    pub time_to_residency_ms: f64,
+}
+
+/// `PUT /api/v1/vm.send-migration`: Cloud Hypervisor's `destination_url` and ferrovm's knobs.
+/// New knobs must have a default (older clients leave them out).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateRequest {
+    /// `tcp:HOST:PORT`.
+    #[serde(rename = "destination_url", alias = "destination")]
+    pub destination: String,
+    /// Cloud Hypervisor's same-host migration: only `false`.
+    #[serde(default)]
+    pub local: bool,
+    /// Bytes per second.
+    #[serde(default)]
+    pub max_bandwidth: Option<u64>,
+    #[serde(default)]
+    pub downtime_ms: Option<u64>,
+    #[serde(default)]
+    pub max_rounds: Option<u32>,
+    #[serde(default)]
+    pub max_time_s: Option<u64>,
+    #[serde(default)]
+    pub auto_converge: bool,
+    /// Pause first, copy everything, resume on the destination (no dirty tracking needed).
+    #[serde(default)]
+    pub warm: bool,
+    /// TCP connections to stripe the pages over (1 to 16; default: the host's CPUs, at most
+    /// 4). A destination of a build without data connections needs 1.
+    #[serde(default)]
+    pub connections: Option<u32>,
+    /// Compression of page data: "auto" (default: on while the link is slower than
+    /// compressing), "none", "lz4" or "zstd".
+    #[serde(default)]
+    pub compress: Option<String>,
+    /// Switch to post-copy right away (no pre-copy round): the destination runs the guest at
+    /// once and fetches missing pages on demand. If the link fails before every page is
+    /// there, the guest is lost.
+    #[serde(default)]
+    pub post_copy: bool,
+    /// Pre-copy this many rounds, then switch to post-copy (same risk as `post_copy`).
+    #[serde(default)]
+    pub post_copy_after_rounds: Option<u32>,
+}
+
+impl MigrateRequest {
+    /// The live rounds before the switch to post-copy, if post-copy is asked for.
+    pub fn post_copy_rounds(&self) -> Option<u32> {
+        self.post_copy_after_rounds
+            .or(if self.post_copy { Some(0) } else { None })
+    }
 }
 
 // ---- Firecracker ----
