@@ -22,6 +22,11 @@ command -v musl-gcc >/dev/null || need_apt+=(musl-tools)
 # busybox-static replaces the dynamically linked `busybox` package.
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' \
     || need_apt+=(busybox-static)
+# What the Linux boot tests drive the guest and check its results with: a terminal (tmux) a
+# person's login is typed into, curl for the API, e2fsprogs for the guest's filesystems.
+command -v tmux >/dev/null || need_apt+=(tmux)
+command -v curl >/dev/null || need_apt+=(curl)
+command -v e2fsck >/dev/null || need_apt+=(e2fsprogs)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "installing Debian packages: ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive
