@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use devices::exit::Waker;
 use virtio_queue::DescriptorChain;
 use virtio_vsock::packet::VsockPacket;
-use vm_memory::{Bytes, GuestMemory};
+use vm_memory::{Address, Bytes, GuestMemory};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::timerfd::TimerFd;
 
@@ -553,6 +553,25 @@ impl Muxer {
         self.update_interest(key);
     }
 
+    /// A transmit packet whose payload spans several descriptors ([`gather_tx`]).
+    fn handle_gathered_tx<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        chain: DescriptorChain<&M>,
+    ) -> Result<(), String> {
+        let (header, mut payload) = gather_tx(mem, chain)?;
+        let mut header_buf = [0u8; PACKET_HEADER_SIZE];
+        // SAFETY: both buffers outlive the packet, which is dropped at the end of this
+        // function, and nothing else touches them meanwhile.
+        let mut packet = unsafe { VsockPacket::new(&mut header_buf, Some(&mut payload)) }
+            .map_err(|e| e.to_string())?;
+        packet
+            .set_header_from_raw(&header)
+            .map_err(|e| e.to_string())?;
+        self.handle_tx(&packet);
+        Ok(())
+    }
+
     /// REQUEST: connect to `PATH_port`; RESPONSE or RST.
     fn guest_connect(&mut self, key: ConnKey, buf_alloc: u32, fwd_cnt: u32) {
         if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNECTIONS {
@@ -774,13 +793,64 @@ impl Muxer {
     }
 }
 
+/// The header and payload of a transmit chain whose payload spans several device-readable
+/// descriptors after the header (Linux's non-linear skbs): at most [`MAX_PAYLOAD`] bytes,
+/// as many as the header's `len` says.
+fn gather_tx<M: GuestMemory>(
+    mem: &M,
+    mut chain: DescriptorChain<&M>,
+) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let head = chain.next().ok_or("no descriptor")?;
+    if head.is_write_only() || (head.len() as usize) < PACKET_HEADER_SIZE {
+        return Err("header descriptor".into());
+    }
+    let mut header = vec![0u8; PACKET_HEADER_SIZE];
+    mem.read_slice(&mut header, head.addr())
+        .map_err(|e| e.to_string())?;
+    // struct virtio_vsock_hdr: le32 len at byte 24.
+    let len = u32::from_le_bytes(header[24..28].try_into().unwrap());
+    if len > MAX_PAYLOAD {
+        return Err(format!("payload of {len} bytes"));
+    }
+    let mut payload = vec![0u8; len as usize];
+    let mut filled = 0;
+    let mut pieces = vec![(
+        head.addr().unchecked_add(PACKET_HEADER_SIZE as u64),
+        head.len() as usize - PACKET_HEADER_SIZE,
+    )];
+    for desc in chain {
+        if desc.is_write_only() {
+            return Err("device-writable descriptor".into());
+        }
+        pieces.push((desc.addr(), desc.len() as usize));
+    }
+    for (addr, size) in pieces {
+        let take = size.min(payload.len() - filled);
+        mem.read_slice(&mut payload[filled..filled + take], addr)
+            .map_err(|e| e.to_string())?;
+        filled += take;
+    }
+    if filled < payload.len() {
+        return Err(format!("{filled} of {len} payload bytes"));
+    }
+    Ok((header, payload))
+}
+
 impl<M: GuestMemory> QueueHandler<M> for Muxer {
     fn handle(&mut self, mem: &M, queue: u16, mut chain: DescriptorChain<&M>) -> u32 {
         match queue {
             RX_QUEUE => self.fill_rx(mem, chain),
             TX_QUEUE => {
+                let whole = chain.clone();
                 match VsockPacket::from_tx_virtq_chain(mem, &mut chain, MAX_PAYLOAD) {
                     Ok(packet) => self.handle_tx(&packet),
+                    // The crate reads a payload from one descriptor only; Linux 6.12 sends
+                    // one above 32 KiB in page fragments, a descriptor each.
+                    Err(virtio_vsock::packet::Error::DescriptorLengthTooSmall) => {
+                        if let Err(e) = self.handle_gathered_tx(mem, whole) {
+                            log::debug!("virtio-vsock: bad transmit chain: {e}");
+                        }
+                    }
                     Err(e) => log::debug!("virtio-vsock: bad transmit chain: {e}"),
                 }
                 0
