@@ -3,19 +3,26 @@
 //! each test checks what the guest saw and what the host finds afterwards: an ext4
 //! filesystem written by the guest is clean under `e2fsck` with every file as written, a
 //! read-only disk is unchanged, `fstrim` frees the image's blocks, TCP and vsock streams
-//! arrive whole both ways, the guest's random bytes come from the virtio-rng device.
+//! arrive whole both ways, the guest's random bytes come from the virtio-rng device, its
+//! console is the virtio console.
 //!
 //! Each boot takes minutes on this project's hosts (guest ring 0 is emulated), so these
 //! tests are not part of `make test`: `make test-linux` runs them (`--ignored`).
 
 mod common;
 
-use std::io::Write;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpListener};
 use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use common::linux::*;
+use common::vsock::connect_into_guest;
 use common::*;
 
 /// A scratch directory for one test, removed when dropped.
@@ -231,4 +238,206 @@ fn linux_virtio_blk_ext4_readonly_and_trim() {
         "linux blk: {:.1} s; trim image {trim_before} -> {trim_after} bytes allocated",
         run.elapsed.as_secs_f64()
     );
+}
+
+/// Waits for one connection on a non-blocking listener (`accept` is its accept call) until
+/// `BOOT_LIMIT`: the guest connects once it has booted, minutes from now.
+fn accept_within<T>(accept: impl Fn() -> std::io::Result<T>) -> T {
+    let start = Instant::now();
+    loop {
+        match accept() {
+            Ok(stream) => return stream,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                assert!(start.elapsed() < BOOT_LIMIT, "the guest never connected");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    }
+}
+
+/// Reads `stream` to its end; returns the bytes and how long they took from the first.
+fn read_all(mut stream: impl Read) -> (Vec<u8>, Duration) {
+    let mut bytes = Vec::new();
+    let mut first = [0u8; 1];
+    let n = stream.read(&mut first).expect("reading the guest's stream");
+    let start = Instant::now();
+    bytes.extend_from_slice(&first[..n]);
+    stream
+        .read_to_end(&mut bytes)
+        .expect("reading the guest's stream");
+    (bytes, start.elapsed())
+}
+
+fn mib_per_s(bytes: usize, seconds: f64) -> f64 {
+    bytes as f64 / (1 << 20) as f64 / seconds
+}
+
+/// The test's network namespace, deleted when dropped.
+struct Namespace(String);
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// What moves over TCP each way. Every byte a guest socket moves is copied and checksummed
+/// by the guest kernel, in emulated ring 0 on this project's hosts: about 60 KiB/s there,
+/// so 2 MiB takes half a minute each way.
+const TCP_BYTES: usize = 2 << 20;
+
+/// virtio-net on a tap in a network namespace: Linux's driver sees the MAC given on the
+/// command line, the guest pings the host's end of the tap (3 of 3 answered), receives a
+/// stream the host sends over TCP and sends it back; both ends check the other's checksum.
+#[test]
+#[ignore = "Linux guest: make test-linux"]
+fn linux_virtio_net_ping_and_tcp_both_ways() {
+    require_kvm();
+    let ns = Namespace(format!("ferrovm-ldev-{}", std::process::id()));
+    let mac = "52:54:00:fe:0d:01";
+    tap_namespace(&ns.0, "ldevtap0", false, None);
+    let (to_guest, from_guest) = in_namespace(&ns.0, || {
+        let bind = |port| {
+            let listener = TcpListener::bind(("10.0.2.2", port)).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            listener
+        };
+        (bind(5001), bind(5002))
+    });
+    let data = Arc::new(pattern(4, TCP_BYTES));
+    let sender: JoinHandle<()> = {
+        let data = data.clone();
+        std::thread::spawn(move || {
+            let (mut stream, _) = accept_within(|| to_guest.accept());
+            stream.set_nonblocking(false).unwrap();
+            stream.write_all(&data).expect("sending to the guest");
+            stream.shutdown(Shutdown::Write).unwrap();
+        })
+    };
+    let receiver = std::thread::spawn(move || {
+        let (stream, _) = accept_within(|| from_guest.accept());
+        stream.set_nonblocking(false).unwrap();
+        read_all(stream)
+    });
+
+    let args = linux_run_args(
+        1,
+        "console=ttyS0 ferrovm.test=net ferrovm.net.addr=10.0.2.15/24 ferrovm.net.peer=10.0.2.2",
+        &["--net", &format!("tap=ldevtap0,mac={mac}")],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = ferrovm_in_namespace(&ns.0, &args, BOOT_LIMIT);
+    expect_clean_poweroff(&run);
+
+    let up = one_marker(&run, "FERROVM-NET-UP");
+    assert_eq!(field(up, "mac"), Some(mac), "{up}");
+    assert_eq!(field(up, "ping-received"), Some("3"), "{up}");
+    let received = one_marker(&run, "FERROVM-NET-RECEIVED");
+    assert_eq!(number(received, "bytes"), TCP_BYTES as u64, "{received}");
+    let sum = sha256(&data);
+    assert_eq!(field(received, "sha256"), Some(sum.as_str()), "{received}");
+    sender.join().unwrap();
+    let (back, took) = receiver.join().unwrap();
+    assert_eq!(back.len(), TCP_BYTES, "bytes the guest sent back");
+    assert!(back == *data, "the guest sent back other bytes");
+    let in_seconds: f64 = field(received, "seconds").unwrap().parse().unwrap();
+    eprintln!(
+        "linux net: {:.1} s; TCP host to guest {:.3} MiB/s (guest's clock), guest to host \
+         {:.3} MiB/s (host's clock)",
+        run.elapsed.as_secs_f64(),
+        mib_per_s(TCP_BYTES, in_seconds),
+        mib_per_s(TCP_BYTES, took.as_secs_f64())
+    );
+}
+
+/// What moves over vsock each way.
+const VSOCK_BYTES: usize = 1 << 20;
+
+/// virtio-vsock with the host socket convention, both ways: a host process connects to the
+/// device's socket with `CONNECT 5000` once the guest listens, sends 1 MiB and shuts its
+/// side; the guest (whose own side is shut at once) stores it until the end, then connects
+/// to host port 1234 (`SOCKET_1234`) and sends it back. Both ends check the other's bytes.
+#[test]
+#[ignore = "Linux guest: make test-linux"]
+fn linux_vsock_host_to_guest_and_back() {
+    require_kvm();
+    let scratch = Scratch::new("vsock");
+    let socket = scratch.path("vsock.sock");
+    let from_guest = UnixListener::bind(format!("{}_1234", socket.display())).unwrap();
+    from_guest.set_nonblocking(true).unwrap();
+    let data = Arc::new(pattern(5, VSOCK_BYTES));
+    let sender = {
+        let (socket, data) = (socket.clone(), data.clone());
+        std::thread::spawn(move || {
+            let (mut stream, _) = connect_into_guest(&socket, 5000, BOOT_LIMIT);
+            stream.write_all(&data).expect("sending into the guest");
+            stream.shutdown(Shutdown::Write).unwrap();
+            // The guest shut its side at once: nothing comes back on this connection.
+            let mut rest = Vec::new();
+            stream.read_to_end(&mut rest).unwrap();
+            assert!(rest.is_empty(), "the guest sent {} bytes", rest.len());
+        })
+    };
+    let receiver = std::thread::spawn(move || {
+        let (stream, _) = accept_within(|| from_guest.accept());
+        stream.set_nonblocking(false).unwrap();
+        read_all(stream)
+    });
+
+    let run = boot(
+        1,
+        "vsock-data",
+        &["--vsock", &format!("cid=3,socket={}", socket.display())],
+    );
+    expect_clean_poweroff(&run);
+    let received = one_marker(&run, "FERROVM-VSOCK-RECEIVED");
+    assert_eq!(number(received, "bytes"), VSOCK_BYTES as u64, "{received}");
+    let sum = sha256(&data);
+    assert_eq!(field(received, "sha256"), Some(sum.as_str()), "{received}");
+    sender.join().unwrap();
+    let (back, took) = receiver.join().unwrap();
+    assert_eq!(back.len(), VSOCK_BYTES, "bytes the guest sent back");
+    assert!(back == *data, "the guest sent back other bytes");
+    let in_seconds: f64 = field(received, "seconds").unwrap().parse().unwrap();
+    eprintln!(
+        "linux vsock: {:.1} s; host to guest {:.3} MiB/s (guest's clock), guest to host \
+         {:.3} MiB/s (host's clock)",
+        run.elapsed.as_secs_f64(),
+        mib_per_s(VSOCK_BYTES, in_seconds),
+        mib_per_s(VSOCK_BYTES, took.as_secs_f64())
+    );
+}
+
+/// virtio-rng and the virtio console in one boot, with `console=hvc0` as the only console:
+/// the kernel's messages and every marker reach the host through hvc0 (the kernel lists
+/// hvc0 as its console); Linux's hw_random core uses `virtio_rng.0`, and `/dev/hwrng`
+/// yields full reads that differ from each other and from zeros.
+#[test]
+#[ignore = "Linux guest: make test-linux"]
+fn linux_virtio_rng_and_console() {
+    require_kvm();
+    let args = linux_run_args(
+        1,
+        "console=hvc0 ferrovm.test=console,rng",
+        &["--rng", "--console", "virtio"],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = ferrovm(&args, BOOT_LIMIT);
+    // Not expect_clean_poweroff: the kernel's last line ("reboot: Power down") is queued on
+    // hvc0 as the machine powers off and does not reach the host.
+    let end = one_marker(&run, "FERROVM-TEST-END");
+    assert_eq!(field(end, "status"), Some("0"), "{}", run.stdout);
+    run.expect_status(0);
+    let console = one_marker(&run, "FERROVM-CONSOLE");
+    assert_eq!(field(console, "active"), Some("hvc0"), "{console}");
+    let rng = one_marker(&run, "FERROVM-RNG");
+    assert_eq!(field(rng, "current"), Some("virtio_rng.0"), "{rng}");
+    assert_eq!(field(rng, "bytes"), Some("512"), "{rng}");
+    let zeros = sha256(&[0u8; 512]);
+    let (first, second) = (field(rng, "first"), field(rng, "second"));
+    assert_ne!(first, second, "two reads gave the same bytes: {rng}");
+    for sum in [first, second] {
+        assert_ne!(sum, Some(zeros.as_str()), "{rng}");
+    }
 }
