@@ -13,53 +13,16 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::linux::*;
 use common::*;
-
-/// A boot that reaches userspace takes about 3 minutes alone here; two run at once.
-const BOOT_LIMIT: Duration = Duration::from_secs(1200);
-
-fn linux_dir() -> PathBuf {
-    let dir = std::env::var_os("FERROVM_LINUX")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/linux"));
-    // The uncompressed initramfs: gunzip in emulated ring 0 costs about a minute per boot.
-    for file in ["vmlinux", "initramfs.cpio"] {
-        assert!(
-            dir.join(file).exists(),
-            "{} is missing: build the Linux test guest with `make linux`",
-            dir.join(file).display()
-        );
-    }
-    dir
-}
-
-/// Kernel command-line options every boot uses: the serial console, and quiet RCU stall
-/// and NMI watchdogs (a vCPU waiting minutes in emulated ring 0 is not a stall here).
-const BASE_CMDLINE: &str =
-    "console=ttyS0 nmi_watchdog=0 rcupdate.rcu_cpu_stall_suppress=1 tsc=reliable";
 
 /// `ferrovm run` arguments for the test kernel with `cpus` vCPUs under `irqchip`.
 fn linux_args(cpus: u32, irqchip: &str, cmdline: &str) -> Vec<String> {
-    let dir = linux_dir();
-    let path = |f: &str| dir.join(f).to_str().unwrap().to_string();
-    [
-        "run",
-        "--kernel",
-        &path("vmlinux"),
-        "--initrd",
-        &path("initramfs.cpio"),
-        "--memory",
-        "256M",
-        "--cpus",
-        &cpus.to_string(),
-        "--irqchip",
-        irqchip,
-        "--cmdline",
-        &format!("{BASE_CMDLINE} {cmdline}"),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    linux_run_args(
+        cpus,
+        &format!("console=ttyS0 {cmdline}"),
+        &["--irqchip", irqchip],
+    )
 }
 
 /// Boots the test kernel to run `ferrovm.test=TEST` and power off.
@@ -69,35 +32,6 @@ fn boot(cpus: u32, irqchip: &str, test: &str, extra: &[&str]) -> Run {
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     ferrovm(&args, BOOT_LIMIT)
-}
-
-/// The lines of the guest's output that start with `prefix` (the marker and a space).
-fn markers<'a>(run: &'a Run, prefix: &str) -> Vec<&'a str> {
-    let start = format!("{prefix} ");
-    run.stdout
-        .lines()
-        .filter_map(|l| l.trim_end_matches('\r').strip_prefix(start.as_str()))
-        .collect()
-}
-
-/// `key=value` from a marker line's fields.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
-}
-
-fn one_marker<'a>(run: &'a Run, prefix: &str) -> &'a str {
-    let found = markers(run, prefix);
-    assert_eq!(found.len(), 1, "{prefix}: {found:?}\n{}", run.stdout);
-    found[0]
-}
-
-/// The test script ended with status 0 and the machine powered off through ACPI S5.
-fn expect_clean_poweroff(run: &Run) {
-    let end = one_marker(run, "FERROVM-TEST-END");
-    assert_eq!(field(end, "status"), Some("0"), "{}", run.stdout);
-    run.expect_status(0);
-    assert!(run.stdout.contains("reboot: Power down"), "{}", run.stdout);
 }
 
 /// A scratch disk image of `mib` MiB.
