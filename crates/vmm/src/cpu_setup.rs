@@ -4,7 +4,7 @@
 
 use boot::cpuid::{guest_cpuid_on, without_hypercall_features, HostCpu};
 use boot::msr::{guest_mcg_cap, guest_msrs, MSR_IA32_UCODE_REV};
-use hypervisor::{CpuidEntry, Hypervisor, MsrEntry, Vcpu};
+use hypervisor::{Capabilities, CpuidEntry, Hypervisor, MsrEntry, Vcpu};
 
 use crate::error::Result;
 
@@ -19,13 +19,14 @@ pub struct CpuSetup {
 }
 
 impl CpuSetup {
-    pub fn new(hv: &dyn Hypervisor) -> Result<Self> {
+    /// `caps` are the accelerator's, already asked for by the machine.
+    pub fn new(hv: &dyn Hypervisor, caps: &Capabilities) -> Result<Self> {
         Ok(CpuSetup {
             supported_cpuid: hv.supported_cpuid()?,
             host: HostCpu::detect(),
             supported_mcg_cap: hv.supported_mcg_cap()?,
             host_feature_msrs: hv.feature_msrs(&[MSR_IA32_UCODE_REV])?,
-            hypercalls: hv.capabilities().hypercalls,
+            hypercalls: caps.hypercalls,
         })
     }
 

@@ -411,8 +411,9 @@ fn create_vcpus(
     vm: &Arc<dyn hypervisor::Vm>,
     config: &VmConfig,
     entry: Option<&boot::BootEntry>,
+    caps: &hypervisor::Capabilities,
 ) -> Result<Vec<Box<dyn Vcpu>>> {
-    let cpu_setup = crate::cpu_setup::CpuSetup::new(hv)?;
+    let cpu_setup = crate::cpu_setup::CpuSetup::new(hv, caps)?;
     let mut vcpus = Vec::new();
     for id in 0..config.cpus {
         let vcpu = vm.create_vcpu(id)?;
@@ -509,7 +510,7 @@ impl Machine {
         Ok(Machine {
             _firmware: ram.firmware,
             core,
-            vcpus: create_vcpus(hv.as_ref(), &vm, config, entry.as_ref())?,
+            vcpus: create_vcpus(hv.as_ref(), &vm, config, entry.as_ref(), &caps)?,
             context,
             timers: Some(devices.timers),
             api: api_setup(config, attached)?,
