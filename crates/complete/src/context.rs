@@ -65,13 +65,15 @@ impl<'a> Context<'a> {
     /// Up to 15 bytes at CS:RIP, fewer if the instruction's page ends before a fault.
     pub fn fetch_instruction(&self) -> Result<Vec<u8>, Failure> {
         let start = self.sregs.cs.base.wrapping_add(self.regs.rip);
-        let mut bytes = Vec::with_capacity(15);
-        for i in 0..15 {
-            let mut b = [0u8];
-            if self.read(start.wrapping_add(i), &mut b).is_err() {
-                break;
+        // All 15 bytes, or when the next page cannot be read, those up to the page's end:
+        // one walk per page instead of one per byte.
+        let to_page_end = (4096 - (start & 0xfff)).min(15) as usize;
+        let mut bytes = vec![0u8; 15];
+        if self.read(start, &mut bytes).is_err() {
+            bytes.truncate(to_page_end);
+            if self.read(start, &mut bytes).is_err() {
+                bytes.clear();
             }
-            bytes.push(b[0]);
         }
         if bytes.is_empty() {
             return Err(Failure::Unsupported(

@@ -136,9 +136,9 @@ fn xcr0(ctx: &Context) -> Result<u64, Failure> {
         .map_or(3, |x| x.value))
 }
 
-/// The requested-feature bitmap: XCR0 (and IA32_XSS for the supervisor forms) and EDX:EAX.
-fn requested(ctx: &Context, form: Form) -> Result<u64, Failure> {
-    let mut enabled = xcr0(ctx)?;
+/// The requested-feature bitmap: `xcr0` (and IA32_XSS for the supervisor forms) and EDX:EAX.
+fn requested(ctx: &Context, form: Form, xcr0: u64) -> Result<u64, Failure> {
+    let mut enabled = xcr0;
     if form == Form::Supervisor {
         let xss = ctx.vcpu.msrs(&[IA32_XSS])?.first().map_or(0, |m| m.data);
         if xss != 0 {
@@ -186,7 +186,7 @@ fn save_legacy(ctx: &Context, addr: u64, img: &[u8], rfbm: u64) -> Result<(), Ex
 
 fn save(ctx: &mut Context, insn: &Instruction, form: Form) -> Step {
     let addr = attempt!(precheck(ctx, insn, form));
-    let rfbm = requested(ctx, form)?;
+    let rfbm = requested(ctx, form, xcr0(ctx)?)?;
     let img = image(ctx)?;
     let layout = Layout::read(ctx)?;
     let in_use = u64_at(&img, HEADER);
@@ -248,8 +248,8 @@ fn restore(ctx: &mut Context, insn: &Instruction, supervisor: bool) -> Step {
         Form::Standard
     };
     let addr = attempt!(precheck(ctx, insn, form));
-    let rfbm = requested(ctx, form)?;
     let enabled = xcr0(ctx)?;
+    let rfbm = requested(ctx, form, enabled)?;
     let mut head = [0u8; HEADER_SIZE];
     attempt!(ctx.read(addr + HEADER as u64, &mut head));
     let compacted = attempt!(check_header(&head, enabled, supervisor));
