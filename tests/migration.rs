@@ -31,6 +31,7 @@ fn scratch(name: &str) -> PathBuf {
 struct Vm {
     child: Child,
     serial: PathBuf,
+    stderr: PathBuf,
     socket: Option<PathBuf>,
 }
 
@@ -42,6 +43,7 @@ impl Vm {
     fn start_in(netns: Option<&str>, args: &[&str], dir: &Path, name: &str, sock: bool) -> Vm {
         require_kvm();
         let serial = dir.join(format!("{name}.serial"));
+        let stderr = dir.join(format!("{name}.stderr"));
         let socket = dir.join(format!("{name}.sock"));
         let mut cmd = match netns {
             Some(ns) => {
@@ -59,16 +61,22 @@ impl Vm {
         }
         let child = cmd
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
             .spawn()
             .expect("start ferrovm");
-        let vm = Vm {
+        let mut vm = Vm {
             child,
             serial,
+            stderr,
             socket: sock.then_some(socket),
         };
         if let Some(s) = &vm.socket {
             wait_until(Duration::from_secs(20), || s.exists(), "API socket");
+        }
+        // A destination is ready once it says where it listens; a migration started before
+        // that line would find nobody there.
+        if args.contains(&"--incoming") {
+            vm.listening_port();
         }
         vm
     }
@@ -88,11 +96,7 @@ impl Vm {
         let start = Instant::now();
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                let mut err = String::new();
-                if let Some(mut e) = self.child.stderr.take() {
-                    let _ = e.read_to_string(&mut err);
-                }
-                return (status.code(), err);
+                return (status.code(), self.errors());
             }
             if start.elapsed() > limit {
                 let _ = self.child.kill();
@@ -103,6 +107,32 @@ impl Vm {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    fn errors(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// The port of the `listening on 127.0.0.1:PORT` line a destination prints first.
+    fn listening_port(&mut self) -> u16 {
+        let mut port = None;
+        wait_until(
+            Duration::from_secs(20),
+            || {
+                port = self
+                    .errors()
+                    .lines()
+                    .find_map(|l| {
+                        l.trim()
+                            .rsplit_once("listening on ")
+                            .map(|(_, a)| a.to_string())
+                    })
+                    .and_then(|a| a.rsplit_once(':').and_then(|(_, p)| p.parse().ok()));
+                port.is_some() || self.child.try_wait().unwrap().is_some()
+            },
+            "the destination's listening line",
+        );
+        port.unwrap_or_else(|| panic!("no listening line: {}", self.errors()))
     }
 
     fn running(&mut self) -> bool {
@@ -1206,17 +1236,7 @@ fn sigterm_during_a_snapshot_leaves_no_temporary_file() {
 
 /// The "listening on HOST:PORT" line of a destination started with port 0.
 fn listening_port(vm: &mut Vm) -> u16 {
-    use std::io::BufRead;
-    let stderr = vm.child.stderr.take().unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(stderr)
-        .read_line(&mut line)
-        .unwrap();
-    let port = line
-        .trim()
-        .strip_prefix("listening on 127.0.0.1:")
-        .unwrap_or_else(|| panic!("no listening line: {line:?}"));
-    port.parse().unwrap()
+    vm.listening_port()
 }
 
 /// A destination waiting with `--incoming tcp:127.0.0.1:0` says which port it got, and
