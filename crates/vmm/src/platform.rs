@@ -9,11 +9,11 @@ use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
 use hypervisor::{Capabilities, Vm};
 use pci::{HostBridge, IntxLine, IntxPin, PciBus};
 use virtio::block::{Block, BlockOptions, CacheMode};
-use virtio::console::{Console, ConsoleInput, ConsoleOutput};
+use virtio::console::Console;
 use virtio::rng::Rng;
 use virtio::{IoEventRegistrar, VirtioDevice, VirtioPciDevice};
 
-use crate::config::{ConsoleConfig, DiskCache, DiskConfig, SerialOutput, VmConfig};
+use crate::config::{DiskCache, DiskConfig, VmConfig};
 use crate::error::{Error, Result};
 use crate::ioevents::VmIoEvents;
 use crate::memory::GuestMemory;
@@ -103,7 +103,11 @@ pub struct VirtioContext<'a> {
 
 /// Creates the virtio functions `config` asks for (disks in order, then the console and
 /// the rng) and puts them on the PCI bus. Returns them for the lifecycle list.
-pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<SharedDevice>> {
+pub fn add_virtio_devices(
+    config: &VmConfig,
+    ctx: &VirtioContext,
+    console: Option<Console>,
+) -> Result<Vec<SharedDevice>> {
     let kernel_paths = kernel_eventfds_wanted();
     let gsis = (kernel_paths && ctx.caps.irqfd).then(|| Arc::new(GsiAllocator::new(MAX_MSI_GSI)));
     let ioevents: Option<Arc<dyn IoEventRegistrar>> = (kernel_paths && ctx.caps.ioeventfd)
@@ -112,8 +116,8 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
     for disk in &config.disks {
         models.push(("virtio-blk", Box::new(open_disk(disk, config)?)));
     }
-    if config.console == ConsoleConfig::Virtio {
-        models.push(("virtio-console", Box::new(open_console(&config.serial)?)));
+    if let Some(console) = console {
+        models.push(("virtio-console", Box::new(console)));
     }
     if config.rng {
         models.push(("virtio-rng", Box::new(Rng::new())));
@@ -287,26 +291,4 @@ fn open_net(
         let _ = (memory, kernel_queues, io_threads);
         Err(refuse("virtio-net needs a Linux tap device".into()))
     }
-}
-
-/// `--console virtio`: hvc0 writes where the serial port would.
-fn open_console(serial: &SerialOutput) -> Result<Console> {
-    let output = match serial {
-        SerialOutput::Stdio => ConsoleOutput::Stdout,
-        SerialOutput::File(path) => ConsoleOutput::File(path.clone()),
-        SerialOutput::None | SerialOutput::Socket(_) => {
-            return Err(Error::Option {
-                option: "--console",
-                value: "virtio".into(),
-                reason: "the virtio console writes where --serial does, which must be stdio \
-                         or a file"
-                    .into(),
-            })
-        }
-    };
-    Console::new(output, ConsoleInput::None).map_err(|e| Error::Option {
-        option: "--console",
-        value: "virtio".into(),
-        reason: e.to_string(),
-    })
 }
