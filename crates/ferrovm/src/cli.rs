@@ -96,7 +96,8 @@ pub struct RunArgs {
         value_name = "PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]"
     )]
     pub disk: Vec<String>,
-    /// `virtio`: add a virtio console (hvc0) writing where --serial writes.
+    /// `virtio`: add a virtio console (hvc0) that writes where --serial writes and takes
+    /// the console's input (the terminal or the socket client) instead of COM1.
     #[arg(long, value_name = "virtio")]
     pub console: Option<String>,
     /// Add a virtio-rng device fed by the host's getrandom.
