@@ -41,6 +41,10 @@
  *
  * "lose=I" (self-test of the check): pass 2 leaves page I (region index)
  * unwritten, so pass 3 must fail on it.
+ *
+ * "wallclock=1": points KVM's wall clock MSR (MSR_KVM_WALL_CLOCK_NEW) at a page
+ * of the image, as Linux's kvmclock does: restoring that MSR makes KVM write the
+ * page, so a post-copy destination needs it before the guest runs.
  */
 #include "kit.h"
 
@@ -58,6 +62,9 @@ struct writer {
 } __attribute__((aligned(64)));
 
 static struct writer w[KIT_MAX_CPUS];
+
+#define MSR_KVM_WALL_CLOCK_NEW	0x4b564d00
+static u8 wall_clock[PAGE] __attribute__((aligned(PAGE)));
 static u64 region_base, region_pages;
 static u64 npasses;		/* 0: forever */
 static unsigned nwriters;
@@ -218,6 +225,10 @@ void guest_main(void)
 	npasses = cmdline_uint("passes", 0);
 	u64 mibps = cmdline_uint("mibps", 0);
 	cmdline_find_uint("lose", &lose_page);
+	if (cmdline_uint("wallclock", 0)) {
+		wrmsr(MSR_KVM_WALL_CLOCK_NEW, (u64)wall_clock);
+		printf("migrate-dirty: wall clock at 0x%lx\n", (u64)wall_clock);
+	}
 	unsigned ncpus = cpu_count();
 	if (ncpus > KIT_MAX_CPUS)
 		ncpus = KIT_MAX_CPUS;

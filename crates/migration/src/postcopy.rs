@@ -194,8 +194,12 @@ pub struct PostcopySource<'a> {
     pub after_rounds: u32,
     /// Opens the post-copy connection (to the address the control connection went to).
     pub connect: &'a dyn Fn() -> std::io::Result<TcpStream>,
-    /// Starts the thread that reads the return path.
+    /// Starts the thread that reads the return path, and the one that waits for the
+    /// destination's replies while the source answers page requests.
     pub spawn: SpawnLane<'a>,
+    /// Another reader of the control connection (where the destination replies), for that
+    /// thread.
+    pub replies: &'a dyn Fn() -> std::io::Result<Box<dyn Read + Send>>,
     /// How long the destination may stay silent once every page is sent.
     pub timeout: Duration,
 }
@@ -239,6 +243,56 @@ impl SourceLink {
         })
     }
 
+    /// Answers the destination's page requests that arrive within `wait`, nothing else:
+    /// while it applies the final state, before it replies, the destination may already
+    /// need pages (KVM reads guest memory when some MSRs are set, as Linux's kvmclock wall
+    /// clock), and the reply would never come if they waited for the background stream.
+    pub fn answer_requests(
+        &mut self,
+        layout: &Layout,
+        missing: &mut Bitmap,
+        report: &mut PostcopyReport,
+        wait: Duration,
+    ) -> Result<()> {
+        match self.records.recv_timeout(wait) {
+            Ok(Ok(Record::Request { addr, count })) => {
+                report.pages_on_demand += self.answer(layout, missing, addr, count, report)?;
+                self.w.flush()?;
+                report.bytes = self.w.bytes_written();
+                Ok(())
+            }
+            Ok(Ok(Record::Resident)) => Err(Error::Protocol {
+                offset: 0,
+                reason: "the destination says it holds every page before they were sent".into(),
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(RecvTimeoutError::Timeout) => Ok(()),
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Vmm(
+                "the post-copy connection closed before the destination took over".into(),
+            )),
+        }
+    }
+
+    /// Sends what a request asks for of `missing` (pages sent already are skipped).
+    fn answer(
+        &mut self,
+        layout: &Layout,
+        missing: &mut Bitmap,
+        addr: u64,
+        count: u32,
+        report: &mut PostcopyReport,
+    ) -> Result<u64> {
+        report.requests += 1;
+        let (region, first) =
+            layout
+                .locate(addr, u64::from(count))
+                .map_err(|r| Error::Protocol {
+                    offset: 0,
+                    reason: format!("a post-copy request for {addr:#x} (+{count} pages): {r}"),
+                })?;
+        self.send_missing(layout, missing, region, first, u64::from(count), report)
+    }
+
     /// Serves the destination until every page of `missing` is sent and it says it has them
     /// all: requests first, the rest in address order. `progress` hears the bytes sent and
     /// the pages left after each step.
@@ -269,24 +323,7 @@ impl SourceLink {
             };
             match next {
                 Some(Ok(Record::Request { addr, count })) => {
-                    report.requests += 1;
-                    let (region, first) =
-                        layout
-                            .locate(addr, u64::from(count))
-                            .map_err(|r| Error::Protocol {
-                                offset: 0,
-                                reason: format!(
-                                    "a post-copy request for {addr:#x} (+{count} pages): {r}"
-                                ),
-                            })?;
-                    let n = self.send_missing(
-                        layout,
-                        &mut missing,
-                        region,
-                        first,
-                        u64::from(count),
-                        report,
-                    )?;
+                    let n = self.answer(layout, &mut missing, addr, count, report)?;
                     report.pages_on_demand += n;
                     left -= n;
                     self.w.flush()?;

@@ -307,6 +307,17 @@ struct Engine<'a, W: Write, R: Read, P: FnMut(&Progress)> {
     acked: bool,
 }
 
+/// How long to wait for a page request before looking for the destination's reply.
+const ANSWER_POLL: Duration = Duration::from_millis(5);
+
+/// Post-copy from the switch on: the connection, the pages the destination still lacks and
+/// what was sent of them.
+struct Postcopying {
+    link: SourceLink,
+    missing: Bitmap,
+    report: PostcopyReport,
+}
+
 /// Migrates a running VM: streams its memory in pre-copy rounds to `out`, pauses it, sends
 /// the rest and its state, and returns once the destination acknowledged on `ack_in` (it
 /// runs the guest by then; the source stays paused and may be shut down).
@@ -875,10 +886,19 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         let stop_and_copy = t_pause.elapsed();
         self.meter.phase = Phase::WaitingAck;
         self.meter.emit(self.bytes_written(), 0, true);
-        self.hand_over(vm)?;
+        let mut postcopying = link.map(|link| Postcopying {
+            report: PostcopyReport {
+                after_rounds: self.rounds.len() as u32,
+                missing_pages: fin.count(),
+                ..PostcopyReport::default()
+            },
+            link,
+            missing: fin,
+        });
+        self.hand_over(vm, postcopying.as_mut())?;
         let downtime = t_pause.elapsed();
-        let postcopy = match link {
-            Some(link) => Some(self.serve_postcopy(link, fin, t_pause)?),
+        let postcopy = match postcopying {
+            Some(p) => Some(self.serve_postcopy(p, t_pause)?),
             None => None,
         };
 
@@ -927,19 +947,14 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
     }
 
     /// The destination runs the guest: serves the pages it still lacks until it has all.
-    fn serve_postcopy(
-        &mut self,
-        link: SourceLink,
-        missing: Bitmap,
-        t_pause: Instant,
-    ) -> Result<PostcopyReport> {
+    fn serve_postcopy(&mut self, p: Postcopying, t_pause: Instant) -> Result<PostcopyReport> {
+        let Postcopying {
+            link,
+            missing,
+            mut report,
+        } = p;
         self.acked = true;
         self.meter.phase = Phase::Postcopy;
-        let mut report = PostcopyReport {
-            after_rounds: self.rounds.len() as u32,
-            missing_pages: missing.count(),
-            ..PostcopyReport::default()
-        };
         self.meter
             .emit(self.bytes_written(), report.missing_pages * PAGE_SIZE, true);
         let base = self.bytes_written();
@@ -962,8 +977,13 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
     /// After `End`: the destination applies the state and replies `Handover`; the source
     /// lets go of its disk locks, and the destination takes them, runs the guest and
     /// replies `Ack`. A destination of an earlier build replies `Ack` at once.
-    fn hand_over<V: VmControl + ?Sized>(&mut self, vm: &mut V) -> Result<()> {
-        match read_reply(&mut self.ack, "its acknowledgement")? {
+    fn hand_over<V: VmControl + ?Sized>(
+        &mut self,
+        vm: &mut V,
+        mut postcopying: Option<&mut Postcopying>,
+    ) -> Result<()> {
+        let what = "its acknowledgement";
+        match self.reply_answering(what, postcopying.as_deref_mut())? {
             Frame::Handover => {}
             Frame::Ack => return Ok(()),
             other => {
@@ -978,7 +998,53 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         if let Err(e) = vm.hand_over() {
             log::error!("handing the disks over: {e}");
         }
-        wait_reply(&mut self.ack, &Frame::Ack)
+        match self.reply_answering(what, postcopying)? {
+            Frame::Ack => Ok(()),
+            f => Err(Error::Protocol {
+                offset: 0,
+                reason: format!("the destination replied {f:?} instead of {what}"),
+            }),
+        }
+    }
+
+    /// The destination's next reply; in post-copy its page requests are answered meanwhile,
+    /// while a thread of the migration waits for the reply on the control connection.
+    fn reply_answering(
+        &mut self,
+        what: &str,
+        postcopying: Option<&mut Postcopying>,
+    ) -> Result<Frame> {
+        let (Some(p), Some(pc)) = (postcopying, self.postcopy) else {
+            return read_reply(&mut self.ack, what);
+        };
+        let mut reader = (pc.replies)().map_err(|e| Error::io("the control connection", e))?;
+        let (tx, reply) = std::sync::mpsc::channel();
+        let waited_for = what.to_string();
+        let body = Box::new(move || {
+            let _ = tx.send(read_reply(&mut reader, &waited_for));
+        });
+        (pc.spawn)("migration-reply".into(), body)
+            .map_err(|e| Error::io("starting the thread that waits for the reply", e))?;
+        loop {
+            match reply.try_recv() {
+                Ok(frame) => return frame,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    return Err(Error::Vmm(format!("no reply: waiting for {what} failed")))
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            }
+            let answered =
+                p.link
+                    .answer_requests(&self.layout, &mut p.missing, &mut p.report, ANSWER_POLL);
+            if let Err(e) = answered {
+                // An `Ack` already on its way means the destination runs the guest; without
+                // one the outcome is unknown. (The thread ends at the read timeout.)
+                if let Ok(Ok(Frame::Ack)) = reply.recv_timeout(Duration::from_secs(1)) {
+                    self.acked = true;
+                }
+                return Err(e);
+            }
+        }
     }
 }
 

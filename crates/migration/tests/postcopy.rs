@@ -155,10 +155,16 @@ fn run(after_rounds: u32, how: Behaviour) -> Run {
     let connect = move || TcpStream::connect(addr);
     let spawn =
         |name: String, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name).spawn(f);
+    let replies_from = ctrl.try_clone().unwrap();
+    let replies = move || {
+        let reader = replies_from.try_clone()?;
+        Ok(Box::new(reader) as Box<dyn std::io::Read + Send>)
+    };
     let pc = PostcopySource {
         after_rounds,
         connect: &connect,
         spawn: &spawn,
+        replies: &replies,
         timeout: Duration::from_secs(10),
     };
     let mut vm = Vm::default();

@@ -462,12 +462,20 @@ impl Core {
             s.set_write_timeout(Some(PEER_TIMEOUT))?;
             Ok(s)
         };
+        let replies_from = stream
+            .try_clone()
+            .map_err(|e| vm_error("the migration connection", e))?;
+        let replies = || {
+            let reader = replies_from.try_clone()?;
+            Ok(Box::new(reader) as Box<dyn std::io::Read + Send>)
+        };
         let postcopy = request
             .post_copy_rounds()
             .map(|after_rounds| migration::PostcopySource {
                 after_rounds,
                 connect: &connect,
                 spawn: &migration_thread,
+                replies: &replies,
                 timeout: PEER_TIMEOUT,
             });
         if postcopy.is_some() && warm {
