@@ -14,6 +14,8 @@ mod image;
 mod options;
 mod ordered;
 mod qcow2;
+#[cfg(all(test, target_os = "linux"))]
+mod qcow2_tests;
 mod request;
 mod sys;
 #[cfg(all(test, target_os = "linux"))]

@@ -182,7 +182,11 @@ impl Storage for OrderedFile {
         self.inner.get_storage_helper()
     }
 
-    fn resize(&self, new_size: u64, prealloc_mode: imago::storage::PreallocateMode) -> io::Result<()> {
+    fn resize(
+        &self,
+        new_size: u64,
+        prealloc_mode: imago::storage::PreallocateMode,
+    ) -> io::Result<()> {
         self.inner.resize(new_size, prealloc_mode)
     }
 }

@@ -113,7 +113,11 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<HeaderSummary, String
     let needed = match version {
         2 => V2_HEADER_LEN,
         3 => V3_HEADER_LEN,
-        v => return Err(format!("qcow2 version {v}: only versions 2 and 3 are supported")),
+        v => {
+            return Err(format!(
+                "qcow2 version {v}: only versions 2 and 3 are supported"
+            ))
+        }
     };
     if bytes.len() < needed {
         return Err(format!(
@@ -123,7 +127,9 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<HeaderSummary, String
     }
     let cluster_bits = h.cluster_bits.get();
     if !(9..=21).contains(&cluster_bits) {
-        return Err(format!("qcow2 cluster_bits {cluster_bits}: expected 9 to 21"));
+        return Err(format!(
+            "qcow2 cluster_bits {cluster_bits}: expected 9 to 21"
+        ));
     }
     if h.crypt_method.get() != 0 {
         return Err("encrypted qcow2 images are not supported".into());
@@ -166,11 +172,15 @@ fn check_v3_fields(h: &Header) -> Result<(), String> {
     }
     let order = h.refcount_order.get();
     if order > 6 {
-        return Err(format!("qcow2 refcount_order {order}: at most 6 (64-bit refcounts)"));
+        return Err(format!(
+            "qcow2 refcount_order {order}: at most 6 (64-bit refcounts)"
+        ));
     }
     let length = h.header_length.get();
     if (length as usize) < V3_HEADER_LEN {
-        return Err(format!("qcow2 header_length {length}: less than {V3_HEADER_LEN}"));
+        return Err(format!(
+            "qcow2 header_length {length}: less than {V3_HEADER_LEN}"
+        ));
     }
     Ok(())
 }
@@ -179,7 +189,11 @@ fn check_v3_fields(h: &Header) -> Result<(), String> {
 fn check_tables(h: &Header, file_len: u64) -> Result<(), String> {
     let cluster = 1u64 << h.cluster_bits.get();
     let tables = [
-        ("L1 table", h.l1_table_offset.get(), u64::from(h.l1_size.get()) * 8),
+        (
+            "L1 table",
+            h.l1_table_offset.get(),
+            u64::from(h.l1_size.get()) * 8,
+        ),
         (
             "refcount table",
             h.refcount_table_offset.get(),
@@ -325,7 +339,13 @@ impl Qcow2Image {
         let mut chain = Vec::new();
         let mut seen = vec![canonical(path)];
         let backing = match backing_path {
-            Some(b) => Some(open_layer(&b, format.as_deref(), path, &mut seen, &mut chain)?),
+            Some(b) => Some(open_layer(
+                &b,
+                format.as_deref(),
+                path,
+                &mut seen,
+                &mut chain,
+            )?),
             None => None,
         };
         image.set_backing(backing.clone());
@@ -355,13 +375,21 @@ impl Qcow2Image {
         self.access.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn read_into<B: BitmapSlice>(&self, offset: u64, bufs: &[VolatileSlice<B>]) -> io::Result<()> {
+    pub fn read_into<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        bufs: &[VolatileSlice<B>],
+    ) -> io::Result<()> {
         // The guard marks the slices dirty when it goes (migration sends them again).
         let (vector, _guard) = IoVectorMut::from_volatile_slice(bufs);
         self.access().readv(vector, offset)
     }
 
-    pub fn write_from<B: BitmapSlice>(&self, offset: u64, bufs: &[VolatileSlice<B>]) -> io::Result<()> {
+    pub fn write_from<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        bufs: &[VolatileSlice<B>],
+    ) -> io::Result<()> {
         let (vector, _guard) = IoVector::from_volatile_slice(bufs);
         self.access().writev(vector, offset)
     }
@@ -438,7 +466,8 @@ fn storage_of(
     direct: bool,
     l1: std::ops::Range<u64>,
 ) -> Result<Storage, ImageError> {
-    let refuse = |e: io::Error| image_error(path, ImageErrorKind::Open, format!("cannot open: {e}"));
+    let refuse =
+        |e: io::Error| image_error(path, ImageErrorKind::Open, format!("cannot open: {e}"));
     let dup = file.try_clone().map_err(refuse)?;
     let options = StorageOpenOptions::new()
         .write(writable)
@@ -482,19 +511,29 @@ fn open_layer(
     let qcow2 = match format {
         Some("qcow2") => true,
         Some("raw") => false,
-        Some(other) => return Err(refuse(format!("backing format {other}: only raw and qcow2"))),
+        Some(other) => {
+            return Err(refuse(format!(
+                "backing format {other}: only raw and qcow2"
+            )))
+        }
         None => has_qcow2_magic(&file).map_err(|e| refuse(format!("cannot read: {e}")))?,
     };
     let opened = if qcow2 {
         let header = read_header(&file, path)?;
         let storage = storage_of(&file, path, false, false, 0..0)?;
         chain.push(BackingFile { _lock_holder: file });
-        let mut image: Qcow2<Storage, Layer> = Qcow2::open_image(storage, false)
-            .map_err(|e| refuse(format!("qcow2: {e}")))?;
+        let mut image: Qcow2<Storage, Layer> =
+            Qcow2::open_image(storage, false).map_err(|e| refuse(format!("qcow2: {e}")))?;
         let below = match header.backing {
             Some(name) => {
                 let below_format = image.implicit_backing_format().cloned();
-                Some(open_layer(&resolve(path, &name), below_format.as_deref(), path, seen, chain)?)
+                Some(open_layer(
+                    &resolve(path, &name),
+                    below_format.as_deref(),
+                    path,
+                    seen,
+                    chain,
+                )?)
             }
             None => None,
         };
