@@ -620,7 +620,7 @@ fn open_format(file: &File, options: &BlockOptions) -> Result<Option<Qcow2Image>
     let qcow2 = match options.image.format {
         ImageFormat::Raw => false,
         ImageFormat::Qcow2 => true,
-        ImageFormat::Auto => has_qcow2_magic(file)
+        ImageFormat::Auto => has_qcow2_magic(&buffered(path)?)
             .map_err(|e| image_error(path, ImageErrorKind::Open, format!("cannot read: {e}")))?,
     };
     if !qcow2 && options.image.backing.is_some() {
@@ -631,6 +631,13 @@ fn open_format(file: &File, options: &BlockOptions) -> Result<Option<Qcow2Image>
         ));
     }
     qcow2.then(|| Qcow2Image::open(file, options)).transpose()
+}
+
+/// A read-only descriptor of `path` through the page cache, to read headers from whatever
+/// the alignment rules of the image's own (maybe O_DIRECT) descriptor.
+pub(super) fn buffered(path: &Path) -> Result<File, ImageError> {
+    File::open(path)
+        .map_err(|e| image_error(path, ImageErrorKind::Open, format!("cannot open: {e}")))
 }
 
 fn image_size(file: &File, kind: ImageKind) -> io::Result<u64> {

@@ -23,7 +23,7 @@ use vm_memory::VolatileSlice;
 use zerocopy::big_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, KnownLayout};
 
-use super::image::{lock_image, ImageError, ImageErrorKind};
+use super::image::{buffered, lock_image, ImageError, ImageErrorKind};
 use super::options::{BlockOptions, CacheMode};
 use super::ordered::OrderedFile;
 
@@ -311,7 +311,7 @@ impl Qcow2Image {
     /// chain.
     pub fn open(file: &File, options: &BlockOptions) -> Result<Qcow2Image, ImageError> {
         let path = options.path.as_path();
-        let header = read_header(file, path)?;
+        let header = read_header(&buffered(path)?, path)?;
         if header.snapshots > 0 && !options.readonly {
             // Writing would copy L2 tables that snapshots share; ferrovm leaves that to QEMU.
             return Err(image_error(
@@ -424,7 +424,7 @@ impl Qcow2Image {
     /// Drops what is cached of the image's metadata and reads it again from the file: a
     /// migration destination, whose source wrote the image until the hand-over.
     pub fn reopen(&self) -> Result<(), ImageError> {
-        let header = read_header(&self.file, &self.path)?;
+        let header = read_header(&buffered(&self.path)?, &self.path)?;
         if header.l1_table != self.header.l1_table || header.size != self.size {
             return Err(image_error(
                 &self.path,
