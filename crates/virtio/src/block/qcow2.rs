@@ -486,65 +486,59 @@ fn open_layer(
     seen: &mut Vec<PathBuf>,
     chain: &mut Vec<BackingFile>,
 ) -> Result<Layer, ImageError> {
-    let refuse = |what: String| image_error(path, ImageErrorKind::Open, what);
+    // The errors of this layer name it (the command line names only the top image).
+    let named = |e: ImageError| ImageError {
+        what: format!("backing file {}: {}", path.display(), e.what),
+        ..e
+    };
+    let refuse = |what: String| named(image_error(path, ImageErrorKind::Open, what));
     if chain.len() >= MAX_BACKING_DEPTH {
         return Err(refuse(format!(
-            "backing chain deeper than {MAX_BACKING_DEPTH} images"
+            "the backing chain is deeper than {MAX_BACKING_DEPTH} images"
         )));
     }
     let file = File::open(path).map_err(|e| {
         refuse(format!(
-            "backing file of {}: cannot open: {e}",
+            "cannot open (named by {}): {e}",
             named_by.display()
         ))
     })?;
     let canonical = canonical(path);
     if seen.contains(&canonical) {
         return Err(refuse(format!(
-            "backing file loop: {} names {} again",
-            named_by.display(),
-            canonical.display()
+            "backing file loop: {} names it again",
+            named_by.display()
         )));
     }
     seen.push(canonical);
-    lock_image(&file, path, true)?;
+    lock_image(&file, path, true).map_err(named)?;
     let qcow2 = match format {
         Some("qcow2") => true,
         Some("raw") => false,
-        Some(other) => {
-            return Err(refuse(format!(
-                "backing format {other}: only raw and qcow2"
-            )))
-        }
+        Some(other) => return Err(refuse(format!("format {other}: only raw and qcow2"))),
         None => has_qcow2_magic(&file).map_err(|e| refuse(format!("cannot read: {e}")))?,
     };
-    let opened = if qcow2 {
-        let header = read_header(&file, path)?;
-        let storage = storage_of(&file, path, false, false, 0..0)?;
-        chain.push(BackingFile { _lock_holder: file });
-        let mut image: Qcow2<Storage, Layer> =
-            Qcow2::open_image(storage, false).map_err(|e| refuse(format!("qcow2: {e}")))?;
-        let below = match header.backing {
-            Some(name) => {
-                let below_format = image.implicit_backing_format().cloned();
-                Some(open_layer(
-                    &resolve(path, &name),
-                    below_format.as_deref(),
-                    path,
-                    seen,
-                    chain,
-                )?)
-            }
-            None => None,
-        };
-        image.set_backing(below);
-        FormatAccess::new(image)
-    } else {
-        let storage = storage_of(&file, path, false, false, 0..0)?;
-        chain.push(BackingFile { _lock_holder: file });
-        FormatAccess::new(Raw::open_image(storage, false).map_err(|e| refuse(format!("{e}")))?)
+    let storage = storage_of(&file, path, false, false, 0..0).map_err(named)?;
+    let header = qcow2
+        .then(|| read_header(&file, path))
+        .transpose()
+        .map_err(named)?;
+    chain.push(BackingFile { _lock_holder: file });
+    let Some(header) = header else {
+        let raw = Raw::open_image(storage, false).map_err(|e| refuse(format!("{e}")))?;
+        return Ok(Arc::new(FormatAccess::new(raw)));
     };
-    Ok(Arc::new(opened))
+    let mut image: Qcow2<Storage, Layer> =
+        Qcow2::open_image(storage, false).map_err(|e| refuse(format!("qcow2: {e}")))?;
+    if let Some(name) = header.backing {
+        let below_format = image.implicit_backing_format().cloned();
+        let below = resolve(path, &name);
+        let layer = open_layer(&below, below_format.as_deref(), path, seen, chain)?;
+        image.set_backing(Some(layer));
+    } else {
+        image.set_backing(None);
+    }
+    Ok(Arc::new(FormatAccess::new(image)))
 }
 
 /// A backing file name resolved as QEMU does: a relative one against the directory of the
