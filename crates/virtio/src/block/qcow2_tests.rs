@@ -454,3 +454,46 @@ fn header_parser_survives_every_prefix_and_bit_flip() {
         let _ = parse_header(&flipped, bytes.len() as u64);
     }
 }
+
+/// The extremes of cluster size and refcount width: written, then clean and equal to a raw
+/// file given the same writes.
+#[test]
+fn cluster_sizes_and_refcount_widths() {
+    let dir = TempDir::new("qcow2-sizes");
+    let reference = dir.join("reference.raw");
+    for (cluster, refcount_bits) in [(512, 1), (65536, 16), (2 << 20, 64)] {
+        let path = dir.join("sizes.qcow2");
+        let _ = std::fs::remove_file(&path);
+        let options = format!("cluster_size={cluster},refcount_bits={refcount_bits}");
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            &options,
+            s(&path),
+            "8M",
+        ]);
+        std::fs::File::create(&reference)
+            .unwrap()
+            .set_len(8 * MIB)
+            .unwrap();
+        let image = open(&path, |_| {}).unwrap();
+        let raw = open(&reference, |o| o.image.format = ImageFormat::Raw).unwrap();
+        for (offset, len, seed) in [
+            (0, 1536, 1),
+            (3 * MIB + 512, 200_000, 2),
+            (8 * MIB - 4096, 4096, 3),
+        ] {
+            for target in [&image, &raw] {
+                write_at(target, offset, &pattern(len, seed)).unwrap();
+                target.flush().unwrap();
+            }
+        }
+        drop((image, raw));
+        let check = qemu_img(&["check", s(&path)]);
+        assert!(check.contains("No errors were found"), "{options}: {check}");
+        qemu_img(&["compare", "-q", s(&path), s(&reference)]);
+    }
+}
