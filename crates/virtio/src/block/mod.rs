@@ -37,7 +37,9 @@ use vm_memory::GuestMemory;
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{Immutable, IntoBytes, KnownLayout};
 
-pub use image::{DiskImage, ImageError, ImageErrorKind, ImageKind, ImageStamp, SECTOR_SIZE};
+pub use image::{
+    Bounce, DiskImage, ImageError, ImageErrorKind, ImageKind, ImageStamp, SECTOR_SIZE,
+};
 pub use options::{
     repeated_key, BlockOptions, CacheMode, FormatOptions, ImageFormat, MAX_QUEUES, MAX_SERIAL_LEN,
 };
