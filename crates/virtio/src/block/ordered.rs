@@ -19,9 +19,9 @@ use std::io;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use imago::io_buffers::{IoVector, IoVectorMut};
+use imago::io_buffers::{IoBuffer, IoVector, IoVectorMut};
 use imago::storage::drivers::CommonStorageHelper;
-use imago::{Storage, StorageOpenOptions};
+use imago::{Storage, StorageExt, StorageOpenOptions};
 
 /// imago's file driver with the L1 table's writes held back until a flush.
 #[derive(Debug)]
@@ -59,11 +59,9 @@ impl OrderedFile {
         }
         self.inner.sync()?;
         for (offset, data) in held.iter() {
-            let vector = IoVector::from(data);
-            // SAFETY: imago's contract for pure writes is that the caller orders them against
-            // overlapping requests. Only these touch the file's L1 table (imago's own writes
-            // to it are queued, never made), and the lock on `held` serialises them.
-            unsafe { self.inner.pure_writev(vector, *offset) }?;
+            // Through imago's own write path: it pads an 8-byte entry to the alignment that
+            // O_DIRECT needs (cache=none) and orders it against overlapping writes.
+            self.inner.write(data.as_slice(), *offset)?;
         }
         held.clear();
         Ok(())
@@ -123,13 +121,18 @@ impl Storage for OrderedFile {
             // SAFETY: the caller's guarantees for this request carry over unchanged.
             return unsafe { self.inner.pure_readv(bufv, offset) };
         }
-        let mut data = vec![0u8; len as usize];
+        // Aligned for O_DIRECT like any buffer imago passes down (the request already is).
+        let mut bounce = IoBuffer::new(len as usize, self.inner.mem_align())?;
         // SAFETY: as above; the bounce buffer is ours.
-        unsafe { self.inner.pure_readv(IoVectorMut::from(&mut data), offset) }?;
+        unsafe {
+            self.inner
+                .pure_readv(IoVectorMut::from(&mut bounce), offset)
+        }?;
+        let data = bounce.as_mut().into_slice();
         for (at, bytes) in held.iter() {
-            overlay(&mut data, offset, *at, bytes);
+            overlay(data, offset, *at, bytes);
         }
-        bufv.copy_from_slice(&data);
+        bufv.copy_from_slice(data);
         Ok(())
     }
 
