@@ -323,12 +323,16 @@ impl DiskImage {
         let n = cursor.remaining().min(head.len() - skip);
         cursor.copy_out(&mut head[skip..skip + n])?;
         let mut current = [0u8; 4];
-        self.file
-            .read_exact_at(&mut current, 0)
-            .or_else(|e| match e.kind() {
-                io::ErrorKind::UnexpectedEof => Ok(()),
-                _ => Err(e),
-            })?;
+        if skip > 0 || n < head.len() {
+            // A partial overwrite (never from a guest: its writes are whole sectors) keeps
+            // bytes of the file's; read them past O_DIRECT's alignment rules.
+            let file = buffered(&self.path).map_err(|e| io::Error::other(e.what))?;
+            file.read_exact_at(&mut current, 0)
+                .or_else(|e| match e.kind() {
+                    io::ErrorKind::UnexpectedEof => Ok(()),
+                    _ => Err(e),
+                })?;
+        }
         current[skip..skip + n].copy_from_slice(&head[skip..skip + n]);
         if current == QCOW2_MAGIC {
             log::warn!(
