@@ -1440,11 +1440,13 @@ fn qcow2_survives_sigkill_at_random_points() {
         leaks.push(qemu_img_check(&image));
         let _ = std::fs::remove_file(&raw);
         qemu_img_ok(&["convert", "-O", "raw", s(&image), s(&raw)]);
+        // The serial file may lag the guest by a line (its writer thread was killed too), so
+        // `flushed` may be one round short, never ahead: every sector must be at least there.
         let flushed = last_round(&out);
         let gens = stress_generations_at(&raw, start);
         let (low, high) = (gens.iter().min().unwrap(), gens.iter().max().unwrap());
         assert!(
-            *low >= flushed && *high <= flushed + 1,
+            *low >= flushed && *high <= flushed + 2,
             "run {i}: round {flushed} was flushed, the image holds generations {low}..={high}"
         );
     }
