@@ -1467,14 +1467,19 @@ fn live_migration_with_a_qcow2_overlay() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A paused guest on a qcow2 disk is snapshotted: the snapshot records the file after its
-/// cached metadata went out, so the restore accepts it and the guest runs on.
+/// A guest on a qcow2 disk (4 KiB clusters) is paused in its first round, while the image's
+/// new L2 tables and refcounts are still only in memory, and snapshotted: the snapshot writes
+/// them out (on its filtered migration thread) before it records the file, so the restore
+/// accepts the file and the guest runs on.
 #[test]
 fn snapshot_of_a_guest_on_a_qcow2_disk_restores() {
     let dir = scratch("qcow2-snapshot");
-    let image = new_qcow2(&dir, "disk.qcow2", &[]);
+    let image = new_qcow2(&dir, "disk.qcow2", &["-o", "cluster_size=4096"]);
     let mut source = Vm::stress(&disk(&image, ",queues=2"), &dir, "source");
-    source.wait_for_round(1, "the source's first round");
+    wait_until(Duration::from_secs(60), "the source's first writes", || {
+        source.output().contains("stress: queue 1 ->")
+    });
+    std::thread::sleep(Duration::from_millis(200));
     source.ctl(&["pause"]).expect_status(0);
     let snap = dir.join("vm.snap");
     source.ctl(&["snapshot", s(&snap)]).expect_status(0);
