@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 FUZZ_SECONDS=${FUZZ_SECONDS:-60}
-ALL_TARGETS="boot_loader migration_stream snapshot_file device_state api_request virtio_blk_chains virtio_pci_access"
+ALL_TARGETS="boot_loader migration_stream snapshot_file device_state api_request virtio_blk_chains virtio_pci_access qcow2_image"
 FUZZ_TARGETS=${FUZZ_TARGETS:-$ALL_TARGETS}
 CARGO_AFL_VERSION=0.18.2   # must match the afl crate in fuzz/Cargo.toml
 OUT=$ROOT/fuzz/target/afl

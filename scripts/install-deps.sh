@@ -16,6 +16,8 @@ ldconfig -p 2>/dev/null | grep 'libclang[-.0-9]*\.so' >/dev/null || need_apt+=(l
 command -v strace >/dev/null || need_apt+=(strace)
 # Debian's SeaBIOS: the default firmware of `ferrovm run --disk` and tests/firmware.rs.
 [ -f /usr/share/seabios/bios-256k.bin ] || need_apt+=(seabios)
+# qemu-img makes and checks the qcow2 images of tests/virtio.rs and tests/firmware.rs.
+command -v qemu-img >/dev/null || need_apt+=(qemu-utils)
 # Go builds the firecracker-go-sdk test program (tests/go/fcsdk).
 command -v go >/dev/null || [ -x /usr/local/go/bin/go ] || need_apt+=(golang-go)
 if [ ${#need_apt[@]} -gt 0 ]; then

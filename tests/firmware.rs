@@ -1,8 +1,8 @@
 //! Booting through Debian's SeaBIOS from a virtio-blk disk: the boot-sector test disk and
 //! the Multiboot loader disk (guests/boot), with 1 and 4 vCPUs in both irqchip modes, a
-//! snapshot and a migration while the boot sector reads the disk, and the errors for bad
-//! firmware and unbootable disks. Each boot takes several seconds here (SeaBIOS runs in
-//! emulated ring 0), so the set is kept small.
+//! snapshot and a migration while the boot sector reads the disk, a boot from a qcow2
+//! image, and the errors for bad firmware and unbootable disks. Each boot takes several
+//! seconds here (SeaBIOS runs in emulated ring 0), so the set is kept small.
 
 mod common;
 
@@ -61,6 +61,36 @@ fn boot_sector_reads_the_disk_one_vcpu() {
         .expect_stdout("Booting from Hard Disk...")
         .expect_stdout("bootsect: drive 00000080");
     assert_eq!(run.last_line(), "bootsect: PASS", "{}", run.stdout);
+}
+
+/// SeaBIOS boots the boot-sector disk converted to qcow2 (compressed, as cloud images are),
+/// reading it through the qcow2 layer; `qemu-img check` finds it untouched.
+#[test]
+fn boot_sector_from_a_qcow2_image() {
+    let dir = scratch("qcow2");
+    let qcow2 = dir.join("bootsect.qcow2");
+    let out = Command::new("qemu-img")
+        .args(["convert", "-c", "-O", "qcow2", &image("bootsect.img")])
+        .arg(&qcow2)
+        .output()
+        .expect("run qemu-img (Debian's qemu-utils)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = boot(qcow2.to_str().unwrap(), &[]);
+    run.expect_status(1)
+        .expect_stdout("Booting from Hard Disk...")
+        .expect_stdout("bootsect: drive 00000080");
+    assert_eq!(run.last_line(), "bootsect: PASS", "{}", run.stdout);
+    let check = Command::new("qemu-img")
+        .arg("check")
+        .arg(&qcow2)
+        .status()
+        .unwrap();
+    assert!(check.success());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

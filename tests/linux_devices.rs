@@ -2,7 +2,8 @@
 //! and busybox initramfs (`make linux`, guests/linux/) use each device as a user would, and
 //! each test checks what the guest saw and what the host finds afterwards: an ext4
 //! filesystem written by the guest is clean under `e2fsck` with every file as written, a
-//! read-only disk is unchanged, `fstrim` frees the image's blocks, TCP and vsock streams
+//! read-only disk is unchanged, `fstrim` frees the image's blocks, a qcow2 overlay written
+//! by the guest is clean under `qemu-img check` and its base unchanged, TCP and vsock streams
 //! arrive whole both ways, the guest's random bytes come from the virtio-rng device, its
 //! console is the virtio console.
 //!
@@ -236,6 +237,66 @@ fn linux_virtio_blk_ext4_readonly_and_trim() {
     expect_clean_ext4(&trim);
     eprintln!(
         "linux blk: {:.1} s; trim image {trim_before} -> {trim_after} bytes allocated",
+        run.elapsed.as_secs_f64()
+    );
+}
+
+/// `qemu-img ARGS` (Debian's qemu-utils), which must succeed.
+fn qemu_img(args: &[&str]) {
+    host_tool("qemu-img", args);
+}
+
+/// Linux mounts an ext4 filesystem through a qcow2 overlay whose base is the raw image the
+/// host made, reads the host's file and writes new ones (the `disk-ext4` script). Afterwards
+/// `qemu-img check` finds the overlay clean, the base is unchanged to the byte, and the
+/// overlay's contents (as `qemu-img convert` reads them) pass `e2fsck -fn` with every file as
+/// the guest wrote it.
+#[test]
+#[ignore = "Linux guest: make test-linux"]
+fn linux_virtio_blk_ext4_on_a_qcow2_overlay() {
+    let scratch = Scratch::new("blk-qcow2");
+    let seed = pattern(4, 1 << 20);
+    let base = ext4_image(&scratch, "base", &[("seed.bin", &seed)]);
+    let base_before = std::fs::read(&base).unwrap();
+    let overlay = scratch.path("overlay.qcow2");
+    let overlay_arg = overlay.to_str().unwrap();
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.img",
+        "-F",
+        "raw",
+        overlay_arg,
+    ]);
+
+    let run = boot(1, "disk-ext4", &["--disk", overlay_arg]);
+    expect_clean_poweroff(&run);
+    let line = one_marker(&run, "FERROVM-EXT4");
+    let seed_sum = sha256(&seed);
+    assert_eq!(field(line, "copy"), Some(seed_sum.as_str()), "{line}");
+    let small = number(line, "small");
+
+    qemu_img(&["check", "-q", overlay_arg]);
+    assert!(
+        std::fs::read(&base).unwrap() == base_before,
+        "the base image changed"
+    );
+    let flat = scratch.path("flat.img");
+    qemu_img(&["convert", "-O", "raw", overlay_arg, flat.to_str().unwrap()]);
+    expect_clean_ext4(&flat);
+    assert!(ext4_file(&flat, "/guest/copy.bin") == seed);
+    for i in 0..small {
+        let text = ext4_file(&flat, &format!("/guest/small-{i}.txt"));
+        assert_eq!(
+            String::from_utf8_lossy(&text),
+            format!("ferrovm guest file {i}\n")
+        );
+    }
+    eprintln!(
+        "linux blk on qcow2: {:.1} s, {small} small files",
         run.elapsed.as_secs_f64()
     );
 }

@@ -101,7 +101,10 @@ pub fn api_request(data: &[u8]) {
     let path = head.split_once(' ').expect("accepted, so METHOD PATH").1;
     let path = path.split('?').next().unwrap_or(path);
     let endpoint = vmm::api::request::endpoint_of(&request);
-    assert!(vmm::api::request::matches_path(endpoint, path), "{path} gave {endpoint}");
+    assert!(
+        vmm::api::request::matches_path(endpoint, path),
+        "{path} gave {endpoint}"
+    );
 }
 
 /// Descriptor tables, indirect tables, RAM contents and batches of available-ring entries
@@ -122,11 +125,17 @@ pub fn virtio_pci_access(data: &[u8]) {
     virtio_harness::pci_access::run(&virtio_harness::pci_input::decode(data));
 }
 
+/// A whole qcow2 file: the header checks, imago's metadata walk, reads, a write and a flush
+/// (see [`virtio_harness::qcow2_image`]); errors are fine, panics and hangs are not.
+pub fn qcow2_image(data: &[u8]) {
+    virtio_harness::qcow2_image::run(data);
+}
+
 /// A target's harness.
 pub type Harness = fn(&[u8]);
 
 /// Every target by name: (corpus directory, harness).
-pub const TARGETS: [(&str, Harness); 7] = [
+pub const TARGETS: [(&str, Harness); 8] = [
     ("boot_loader", boot_loader),
     ("migration_stream", migration_stream),
     ("snapshot_file", snapshot_file),
@@ -134,6 +143,7 @@ pub const TARGETS: [(&str, Harness); 7] = [
     ("api_request", api_request),
     ("virtio_blk_chains", virtio_blk_chains),
     ("virtio_pci_access", virtio_pci_access),
+    ("qcow2_image", qcow2_image),
 ];
 
 /// `cargo test --lib` here replays every input of `corpus/<target>/` and of

@@ -53,6 +53,8 @@ pub struct DiskConfig {
     pub serial: Option<String>,
     pub cache: DiskCache,
     pub queues: u16,
+    /// `format=` and `backing=` (parsed by the block device's own options).
+    pub image: virtio::block::FormatOptions,
 }
 
 /// Longest serial a virtio-blk GET_ID can return.
@@ -285,7 +287,7 @@ pub fn parse_disk(text: &str) -> Result<DiskConfig> {
     let path = fields.next().unwrap_or_default();
     if path.is_empty() {
         return Err(bad(
-            "expected PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]".into(),
+            "expected PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N][,format=raw|qcow2][,backing=PATH]".into(),
         ));
     }
     refuse_repeated_keys(fields.clone(), &[("ro", "readonly")]).map_err(bad)?;
@@ -295,6 +297,7 @@ pub fn parse_disk(text: &str) -> Result<DiskConfig> {
         serial: None,
         cache: DiskCache::Writeback,
         queues: 1,
+        image: Default::default(),
     };
     for field in fields {
         match field.split_once('=') {
@@ -319,9 +322,14 @@ pub fn parse_disk(text: &str) -> Result<DiskConfig> {
                     .filter(|q| (1..=DISK_QUEUES_MAX).contains(q))
                     .ok_or_else(|| bad(format!("queues={n}: expected 1 to {DISK_QUEUES_MAX}")))?
             }
+            Some((key, value)) => match disk.image.apply(key, value) {
+                Some(result) => result.map_err(bad)?,
+                None => return Err(bad(format!("unknown disk option {field:?}"))),
+            },
             _ => return Err(bad(format!("unknown disk option {field:?}"))),
         }
     }
+    disk.image.validate().map_err(bad)?;
     Ok(disk)
 }
 

@@ -208,6 +208,7 @@ fn open_disk(disk: &DiskConfig, config: &VmConfig) -> Result<Block> {
             DiskCache::None => CacheMode::None,
         },
         queues: disk.queues,
+        image: disk.image.clone(),
         defer_lock,
         expect_unchanged,
     };

@@ -15,6 +15,7 @@ use serde_json::Value;
 
 use crate::config::{ConsoleConfig, DiskCache, DiskConfig, NetConfig, VmConfig, VsockConfig};
 use crate::error::{Error, Result};
+use virtio::block::{FormatOptions, ImageFormat};
 
 /// The layout of [`DeviceRecord`] this build writes and the newest it reads.
 pub const DEVICES_FORMAT: u32 = 1;
@@ -48,6 +49,12 @@ pub struct DiskRecord {
     /// `writeback` or `none`.
     pub cache: String,
     pub queues: u16,
+    /// `raw` or `qcow2` when given (absent: told from the header, as before this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+    /// A qcow2 image's `backing=` override.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing: Option<String>,
 }
 
 /// One network interface: `--net tap=NAME[,mac=MAC][,queues=N]`.
@@ -93,6 +100,12 @@ impl DeviceRecord {
                         DiskCache::None => "none".into(),
                     },
                     queues: d.queues,
+                    format: (d.image.format != ImageFormat::Auto)
+                        .then(|| d.image.format.to_string()),
+                    backing: match &d.image.backing {
+                        Some(path) => Some(utf8(path)?),
+                        None => None,
+                    },
                 })
             })
             .collect::<Option<Vec<_>>>()?;
@@ -166,6 +179,14 @@ impl DeviceRecord {
                     DiskCache::Writeback
                 },
                 queues: d.queues,
+                image: FormatOptions {
+                    format: d
+                        .format
+                        .as_deref()
+                        .and_then(|f| f.parse().ok())
+                        .unwrap_or_default(),
+                    backing: d.backing.as_ref().map(PathBuf::from),
+                },
             })
             .collect();
         config.nets = self

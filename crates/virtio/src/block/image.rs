@@ -1,17 +1,19 @@
-//! A raw disk image on the host: a regular file or a block device, opened, locked, sized,
-//! and read and written straight into guest memory.
+//! A disk image on the host: a regular file or a block device, opened, locked, sized, its
+//! format told from its header, and read and written straight into guest memory (a raw image
+//! here with preadv/pwritev, a qcow2 image through [`super::qcow2`]).
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{Bytes, VolatileSlice};
 
-use super::options::{BlockOptions, CacheMode};
+use super::options::{BlockOptions, CacheMode, ImageFormat};
+use super::qcow2::{has_qcow2_magic, Qcow2Image, QCOW2_MAGIC};
+use super::sys;
 
 /// Bytes in a virtio-blk sector.
 pub const SECTOR_SIZE: u64 = 512;
@@ -86,9 +88,15 @@ pub enum ImageKind {
     BlockDevice,
 }
 
-/// An open, locked raw image.
+/// An open, locked image.
 #[derive(Debug)]
 pub struct DiskImage {
+    /// A qcow2 image: every request goes through it.
+    qcow2: Option<Qcow2Image>,
+    /// Raw because nothing said so and its header did not say otherwise: a guest write that
+    /// would give it a qcow2 header is refused, so that the next open does not take the
+    /// guest's word for the format (and open the backing file the guest names).
+    probed_raw: bool,
     file: File,
     path: PathBuf,
     kind: ImageKind,
@@ -111,11 +119,20 @@ impl DiskImage {
         if !options.defer_lock {
             lock_image(&file, path, options.readonly)?;
         }
-        let bytes = image_size(&file, kind)
-            .map_err(|e| image_error(path, ImageErrorKind::Open, format!("cannot size: {e}")))?;
-        let direct_align =
-            (options.cache == CacheMode::None).then(|| probe_direct_alignment(&file));
+        let qcow2 = open_format(&file, options)?;
+        let bytes = match &qcow2 {
+            Some(image) => image.size(),
+            None => image_size(&file, kind).map_err(|e| {
+                image_error(path, ImageErrorKind::Open, format!("cannot size: {e}"))
+            })?,
+        };
+        let direct_align = (options.cache == CacheMode::None).then(|| match &qcow2 {
+            Some(image) => image.request_alignment().max(SECTOR_SIZE as usize),
+            None => probe_direct_alignment(&file),
+        });
         Ok(DiskImage {
+            probed_raw: qcow2.is_none() && options.image.format == ImageFormat::Auto,
+            qcow2,
             file,
             path: path.to_path_buf(),
             kind,
@@ -144,14 +161,39 @@ impl DiskImage {
         }))
     }
 
-    /// Takes the image's lock (again): exclusive when writable, shared when read-only.
+    /// Takes the image's lock (again): exclusive when writable, shared when read-only. A
+    /// qcow2 image then reads its metadata again: the machine that held the lock before may
+    /// have changed it (migration take-over).
     pub fn lock(&self) -> Result<(), ImageError> {
-        lock_image(&self.file, &self.path, self.readonly)
+        lock_image(&self.file, &self.path, self.readonly)?;
+        match &self.qcow2 {
+            Some(image) => image.reopen(),
+            None => Ok(()),
+        }
     }
 
-    /// Lets go of the image's lock, for another machine to take it (migration hand-over).
+    /// Lets go of the image's lock, for another machine to take it (migration hand-over); a
+    /// qcow2 image first writes back the metadata it caches.
     pub fn unlock(&self) -> io::Result<()> {
+        self.settle()?;
         sys::unlock(&self.file)
+    }
+
+    /// Writes back what a qcow2 image caches of its metadata and syncs, so that the file
+    /// alone is the whole image (before a snapshot records it or another process opens it).
+    pub fn settle(&self) -> io::Result<()> {
+        match &self.qcow2 {
+            Some(image) if !self.readonly => image.flush(),
+            _ => Ok(()),
+        }
+    }
+
+    /// The image's format.
+    pub fn format(&self) -> ImageFormat {
+        match self.qcow2 {
+            Some(_) => ImageFormat::Qcow2,
+            None => ImageFormat::Raw,
+        }
     }
 
     pub fn kind(&self) -> ImageKind {
@@ -179,6 +221,9 @@ impl DiskImage {
         bufs: &[VolatileSlice<B>],
         bounce: &mut Bounce,
     ) -> io::Result<()> {
+        if let Some(image) = &self.qcow2 {
+            return image.read_into(offset, bufs);
+        }
         if self.needs_bounce(offset, bufs)? {
             return self.read_bounced(offset, bufs, bounce);
         }
@@ -206,6 +251,12 @@ impl DiskImage {
         bounce: &mut Bounce,
     ) -> io::Result<()> {
         self.check_writable()?;
+        if let Some(image) = &self.qcow2 {
+            return image.write_from(offset, bufs);
+        }
+        if self.probed_raw && offset < QCOW2_MAGIC.len() as u64 {
+            self.refuse_format_header(offset, bufs)?;
+        }
         if self.needs_bounce(offset, bufs)? {
             return self.write_bounced(offset, bufs, bounce);
         }
@@ -223,13 +274,19 @@ impl DiskImage {
 
     /// Makes every completed write durable (fdatasync).
     pub fn flush(&self) -> io::Result<()> {
-        self.file.sync_data()
+        match &self.qcow2 {
+            Some(image) => image.flush(),
+            None => self.file.sync_data(),
+        }
     }
 
     /// Tells the host the range is unused. Where the host cannot, nothing happens: a discard
     /// is a hint.
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check_writable()?;
+        if let Some(image) = &self.qcow2 {
+            return image.discard(offset, len);
+        }
         match sys::deallocate(&self.file, self.kind, offset, len) {
             Err(e) if sys::is_unsupported(&e) => Ok(()),
             other => other,
@@ -245,10 +302,49 @@ impl DiskImage {
         bounce: &mut Bounce,
     ) -> io::Result<()> {
         self.check_writable()?;
+        if let Some(image) = &self.qcow2 {
+            return image.write_zeroes(offset, len, unmap);
+        }
         match sys::zero_range(&self.file, self.kind, offset, len, unmap) {
             Err(e) if sys::is_unsupported(&e) => self.write_zero_buffers(offset, len, bounce),
             other => other,
         }
+    }
+
+    /// Refuses a write that would put qcow2's magic at the start of a probed raw image.
+    fn refuse_format_header<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        bufs: &[VolatileSlice<B>],
+    ) -> io::Result<()> {
+        let mut head = [0u8; 4];
+        let skip = offset as usize;
+        let mut cursor = SliceCursor::new(bufs);
+        let n = cursor.remaining().min(head.len() - skip);
+        cursor.copy_out(&mut head[skip..skip + n])?;
+        let mut current = [0u8; 4];
+        if skip > 0 || n < head.len() {
+            // A partial overwrite (never from a guest: its writes are whole sectors) keeps
+            // bytes of the file's; read them past O_DIRECT's alignment rules.
+            let file = buffered(&self.path).map_err(|e| io::Error::other(e.what))?;
+            file.read_exact_at(&mut current, 0)
+                .or_else(|e| match e.kind() {
+                    io::ErrorKind::UnexpectedEof => Ok(()),
+                    _ => Err(e),
+                })?;
+        }
+        current[skip..skip + n].copy_from_slice(&head[skip..skip + n]);
+        if current == QCOW2_MAGIC {
+            log::warn!(
+                "disk {}: refused a guest write of a qcow2 header to a raw image whose format was probed (give format=raw to allow it)",
+                self.path.display()
+            );
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "a qcow2 header written to a probed raw image",
+            ));
+        }
+        Ok(())
     }
 
     fn check_writable(&self) -> io::Result<()> {
@@ -355,7 +451,7 @@ impl DiskImage {
 const IOV_MAX: usize = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Direction {
+pub enum Direction {
     Read,
     Write,
 }
@@ -496,7 +592,7 @@ fn open_file(path: &Path, options: &BlockOptions) -> Result<File, ImageError> {
 
 /// Takes the image's advisory lock: exclusive for a writable image, shared for a read-only
 /// one, so two VMs never write one disk. A file system without locks gets a warning.
-fn lock_image(file: &File, path: &Path, readonly: bool) -> Result<(), ImageError> {
+pub(super) fn lock_image(file: &File, path: &Path, readonly: bool) -> Result<(), ImageError> {
     match sys::lock(file, readonly) {
         Ok(()) => Ok(()),
         Err(e) if sys::is_lock_conflict(&e) => Err(image_error(
@@ -522,6 +618,32 @@ fn lock_image(file: &File, path: &Path, readonly: bool) -> Result<(), ImageError
     }
 }
 
+/// The qcow2 image in `file` if it is one (by `format=`, or by its header when not given).
+fn open_format(file: &File, options: &BlockOptions) -> Result<Option<Qcow2Image>, ImageError> {
+    let path = options.path.as_path();
+    let qcow2 = match options.image.format {
+        ImageFormat::Raw => false,
+        ImageFormat::Qcow2 => true,
+        ImageFormat::Auto => has_qcow2_magic(&buffered(path)?)
+            .map_err(|e| image_error(path, ImageErrorKind::Open, format!("cannot read: {e}")))?,
+    };
+    if !qcow2 && options.image.backing.is_some() {
+        return Err(image_error(
+            path,
+            ImageErrorKind::Open,
+            "backing= given, but the image is raw (no qcow2 header)",
+        ));
+    }
+    qcow2.then(|| Qcow2Image::open(file, options)).transpose()
+}
+
+/// A read-only descriptor of `path` through the page cache, to read headers from whatever
+/// the alignment rules of the image's own (maybe O_DIRECT) descriptor.
+pub(super) fn buffered(path: &Path) -> Result<File, ImageError> {
+    File::open(path)
+        .map_err(|e| image_error(path, ImageErrorKind::Open, format!("cannot open: {e}")))
+}
+
 fn image_size(file: &File, kind: ImageKind) -> io::Result<u64> {
     match kind {
         ImageKind::File => Ok(file.metadata()?.len()),
@@ -539,308 +661,4 @@ fn probe_direct_alignment(file: &File) -> usize {
         }
     }
     BOUNCE_ALIGN
-}
-
-/// The system calls that differ between hosts.
-#[cfg(target_os = "linux")]
-mod sys {
-    use super::*;
-
-    /// BLKDISCARD and BLKZEROOUT (linux/fs.h): _IO(0x12, 119) and _IO(0x12, 127).
-    const BLKDISCARD: libc::c_ulong = 0x1277;
-    const BLKZEROOUT: libc::c_ulong = 0x127f;
-
-    pub fn lock(file: &File, readonly: bool) -> io::Result<()> {
-        let lock_type = if readonly {
-            libc::F_RDLCK
-        } else {
-            libc::F_WRLCK
-        };
-        // SAFETY: an all-zero flock is a valid value; the fields that matter are set below.
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = lock_type as libc::c_short;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        // An OFD lock belongs to this open file description: a second open conflicts even in
-        // this process, and closing another descriptor of the file does not drop it.
-        // SAFETY: `fl` is a valid flock for the duration of the call.
-        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    pub fn unlock(file: &File) -> io::Result<()> {
-        // SAFETY: an all-zero flock is a valid value; the fields that matter are set below.
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = libc::F_UNLCK as libc::c_short;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        // SAFETY: `fl` is a valid flock for the duration of the call.
-        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    pub fn is_lock_conflict(e: &io::Error) -> bool {
-        matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES))
-    }
-
-    pub fn is_unsupported(e: &io::Error) -> bool {
-        matches!(
-            e.raw_os_error(),
-            Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::ENOSYS) | Some(libc::EINVAL)
-        )
-    }
-
-    pub fn device_size(file: &File) -> io::Result<u64> {
-        use std::io::{Seek, SeekFrom};
-        let mut f = file;
-        f.seek(SeekFrom::End(0))
-    }
-
-    pub(super) fn vectored(
-        file: &File,
-        dir: Direction,
-        iovecs: &[libc::iovec],
-        offset: u64,
-    ) -> io::Result<usize> {
-        let offset =
-            i64::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        loop {
-            // SAFETY: every iovec points into guest memory that the caller's slices keep
-            // mapped, within each slice's length; the kernel touches nothing else.
-            let rc = unsafe {
-                match dir {
-                    Direction::Read => libc::preadv(
-                        file.as_raw_fd(),
-                        iovecs.as_ptr(),
-                        iovecs.len() as i32,
-                        offset,
-                    ),
-                    Direction::Write => libc::pwritev(
-                        file.as_raw_fd(),
-                        iovecs.as_ptr(),
-                        iovecs.len() as i32,
-                        offset,
-                    ),
-                }
-            };
-            if rc >= 0 {
-                return Ok(rc as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
-    }
-
-    fn fallocate(file: &File, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
-        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
-            return Err(io::Error::from(io::ErrorKind::InvalidInput));
-        };
-        // SAFETY: plain system call on an owned descriptor.
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), mode, offset, len) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    fn block_ioctl(file: &File, request: libc::c_ulong, offset: u64, len: u64) -> io::Result<()> {
-        let range: [u64; 2] = [offset, len];
-        // SAFETY: BLKDISCARD and BLKZEROOUT read two u64s (start, length) from the pointer.
-        let rc = unsafe { libc::ioctl(file.as_raw_fd(), request, range.as_ptr()) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    pub fn deallocate(file: &File, kind: ImageKind, offset: u64, len: u64) -> io::Result<()> {
-        match kind {
-            ImageKind::File => fallocate(
-                file,
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                offset,
-                len,
-            ),
-            ImageKind::BlockDevice => block_ioctl(file, BLKDISCARD, offset, len),
-        }
-    }
-
-    pub fn zero_range(
-        file: &File,
-        kind: ImageKind,
-        offset: u64,
-        len: u64,
-        unmap: bool,
-    ) -> io::Result<()> {
-        match kind {
-            ImageKind::BlockDevice => block_ioctl(file, BLKZEROOUT, offset, len),
-            ImageKind::File if unmap => deallocate(file, kind, offset, len).or_else(|_| {
-                fallocate(
-                    file,
-                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-                    offset,
-                    len,
-                )
-            }),
-            ImageKind::File => fallocate(
-                file,
-                libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-                offset,
-                len,
-            ),
-        }
-    }
-}
-
-/// FreeBSD (and other Unixes): flock, fspacectl where there is one, plain writes otherwise.
-#[cfg(not(target_os = "linux"))]
-mod sys {
-    use super::*;
-
-    pub fn lock(file: &File, readonly: bool) -> io::Result<()> {
-        let op = if readonly {
-            libc::LOCK_SH
-        } else {
-            libc::LOCK_EX
-        };
-        // SAFETY: plain system call on an owned descriptor. flock locks belong to the open
-        // file description, like Linux's OFD locks.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    pub fn unlock(file: &File) -> io::Result<()> {
-        // SAFETY: plain system call on an owned descriptor.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    pub fn is_lock_conflict(e: &io::Error) -> bool {
-        e.kind() == io::ErrorKind::WouldBlock
-    }
-
-    pub fn is_unsupported(e: &io::Error) -> bool {
-        matches!(
-            e.raw_os_error(),
-            Some(libc::EOPNOTSUPP)
-                | Some(libc::ENOTTY)
-                | Some(libc::ENOSYS)
-                | Some(libc::ENODEV)
-                | Some(libc::EINVAL)
-        )
-    }
-
-    #[cfg(target_os = "freebsd")]
-    pub fn device_size(file: &File) -> io::Result<u64> {
-        /// DIOCGMEDIASIZE (sys/disk.h): _IOR('d', 129, off_t).
-        const DIOCGMEDIASIZE: libc::c_ulong = 0x4008_6481;
-        let mut size: libc::off_t = 0;
-        // SAFETY: DIOCGMEDIASIZE writes one off_t to the pointer.
-        let rc = unsafe { libc::ioctl(file.as_raw_fd(), DIOCGMEDIASIZE, &mut size) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        u64::try_from(size).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
-    }
-
-    #[cfg(not(target_os = "freebsd"))]
-    pub fn device_size(file: &File) -> io::Result<u64> {
-        use std::io::{Seek, SeekFrom};
-        let mut f = file;
-        f.seek(SeekFrom::End(0))
-    }
-
-    pub(super) fn vectored(
-        file: &File,
-        dir: Direction,
-        iovecs: &[libc::iovec],
-        offset: u64,
-    ) -> io::Result<usize> {
-        let offset = libc::off_t::try_from(offset)
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        loop {
-            // SAFETY: every iovec points into guest memory that the caller's slices keep
-            // mapped, within each slice's length; the kernel touches nothing else.
-            let rc = unsafe {
-                match dir {
-                    Direction::Read => libc::preadv(
-                        file.as_raw_fd(),
-                        iovecs.as_ptr(),
-                        iovecs.len() as i32,
-                        offset,
-                    ),
-                    Direction::Write => libc::pwritev(
-                        file.as_raw_fd(),
-                        iovecs.as_ptr(),
-                        iovecs.len() as i32,
-                        offset,
-                    ),
-                }
-            };
-            if rc >= 0 {
-                return Ok(rc as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
-    }
-
-    #[cfg(target_os = "freebsd")]
-    pub fn deallocate(file: &File, _kind: ImageKind, offset: u64, len: u64) -> io::Result<()> {
-        /// SPACECTL_DEALLOC (sys/fcntl.h).
-        const SPACECTL_DEALLOC: libc::c_int = 1;
-        let (Ok(r_offset), Ok(r_len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len))
-        else {
-            return Err(io::Error::from(io::ErrorKind::InvalidInput));
-        };
-        let mut range = libc::spacectl_range { r_offset, r_len };
-        // fspacectl may stop early and report the rest; bounded by the range shrinking.
-        while range.r_len > 0 {
-            let request = range;
-            // SAFETY: both pointers are valid spacectl_range structs for the call.
-            let rc = unsafe {
-                libc::fspacectl(file.as_raw_fd(), SPACECTL_DEALLOC, &request, 0, &mut range)
-            };
-            if rc < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if range.r_len >= request.r_len {
-                break;
-            }
-        }
-        Ok(())
-    }
-
-    #[cfg(not(target_os = "freebsd"))]
-    pub fn deallocate(_file: &File, _kind: ImageKind, _offset: u64, _len: u64) -> io::Result<()> {
-        Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
-    }
-
-    pub fn zero_range(
-        file: &File,
-        kind: ImageKind,
-        offset: u64,
-        len: u64,
-        unmap: bool,
-    ) -> io::Result<()> {
-        if unmap {
-            deallocate(file, kind, offset, len)
-        } else {
-            Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
-        }
-    }
 }

@@ -1,4 +1,4 @@
-//! virtio-blk over a raw image (a regular file or a block device).
+//! virtio-blk over a disk image (a regular file or a block device, raw or qcow2).
 //!
 //! [`Block::new`] opens and locks the image named by [`BlockOptions`]; once the driver sets
 //! DRIVER_OK, each request queue gets its own [`Worker`] thread, which reads and writes guest
@@ -12,7 +12,12 @@
 mod chain;
 mod image;
 mod options;
+mod ordered;
+mod qcow2;
+#[cfg(all(test, target_os = "linux"))]
+mod qcow2_tests;
 mod request;
+mod sys;
 #[cfg(all(test, target_os = "linux"))]
 mod tests;
 
@@ -32,8 +37,13 @@ use vm_memory::GuestMemory;
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{Immutable, IntoBytes, KnownLayout};
 
-pub use image::{DiskImage, ImageError, ImageErrorKind, ImageKind, ImageStamp, SECTOR_SIZE};
-pub use options::{repeated_key, BlockOptions, CacheMode, MAX_QUEUES, MAX_SERIAL_LEN};
+pub use image::{
+    Bounce, DiskImage, ImageError, ImageErrorKind, ImageKind, ImageStamp, SECTOR_SIZE,
+};
+pub use options::{
+    repeated_key, BlockOptions, CacheMode, FormatOptions, ImageFormat, MAX_QUEUES, MAX_SERIAL_LEN,
+};
+pub use qcow2::{parse_header, HeaderSummary, MAX_BACKING_DEPTH};
 use request::{BlockHandler, MAX_RANGE_SECTORS, MAX_RANGE_SEGMENTS};
 
 use crate::worker::Workers;
@@ -265,6 +275,11 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Block {
     }
 
     fn save(&self) -> Result<DeviceState, LifecycleError> {
+        // A qcow2 image's cached metadata goes to the file first: the stamp recorded below
+        // must be the file's final state, and the file alone the whole disk.
+        self.image.settle().map_err(|e| {
+            LifecycleError(format!("disk {}: flush: {e}", self.image.path().display()))
+        })?;
         let state = BlockState {
             capacity_sectors: self.image.sectors(),
             features: VirtioDevice::<M>::features(self),

@@ -1,4 +1,5 @@
-//! What the user says about a disk: `PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]`.
+//! What the user says about a disk:
+//! `PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N][,format=raw|qcow2][,backing=PATH]`.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -39,11 +40,79 @@ impl FromStr for CacheMode {
     }
 }
 
+/// The image format the user asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ImageFormat {
+    /// From the file's header: qcow2 if it has qcow2's magic, raw otherwise.
+    #[default]
+    Auto,
+    Raw,
+    Qcow2,
+}
+
+impl fmt::Display for ImageFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ImageFormat::Auto => "auto",
+            ImageFormat::Raw => "raw",
+            ImageFormat::Qcow2 => "qcow2",
+        })
+    }
+}
+
+impl FromStr for ImageFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ImageFormat::Auto),
+            "raw" => Ok(ImageFormat::Raw),
+            "qcow2" => Ok(ImageFormat::Qcow2),
+            other => Err(format!("format={other}: expected raw or qcow2")),
+        }
+    }
+}
+
+/// How the image file is read: its format and, for qcow2, the backing file to use instead
+/// of the one its header names.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FormatOptions {
+    pub format: ImageFormat,
+    pub backing: Option<PathBuf>,
+}
+
+impl FormatOptions {
+    /// The `--disk` keys these options take.
+    pub const KEYS: [&'static str; 2] = ["format", "backing"];
+
+    /// Applies `key=value` if `key` is one of [`Self::KEYS`]; None for any other key.
+    pub fn apply(&mut self, key: &str, value: &str) -> Option<Result<(), String>> {
+        match key {
+            "format" => Some(value.parse().map(|f| self.format = f)),
+            "backing" if value.is_empty() => Some(Err("backing=: empty path".into())),
+            "backing" => {
+                self.backing = Some(PathBuf::from(value));
+                Some(Ok(()))
+            }
+            _ => None,
+        }
+    }
+
+    /// Checks that the options agree with each other.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.backing.is_some() && self.format == ImageFormat::Raw {
+            return Err("backing= needs a qcow2 image, not format=raw".into());
+        }
+        Ok(())
+    }
+}
+
 /// A virtio-blk device's configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockOptions {
-    /// A raw image: a regular file or a block device.
+    /// The image: a regular file or a block device, raw or qcow2.
     pub path: PathBuf,
+    /// Its format and backing file.
+    pub image: FormatOptions,
     pub readonly: bool,
     /// Returned by GET_ID; at most [`MAX_SERIAL_LEN`] bytes.
     pub serial: Option<String>,
@@ -63,6 +132,7 @@ impl BlockOptions {
     pub fn new(path: impl Into<PathBuf>) -> BlockOptions {
         BlockOptions {
             path: path.into(),
+            image: FormatOptions::default(),
             readonly: false,
             serial: None,
             cache: CacheMode::Writeback,
@@ -85,6 +155,7 @@ impl BlockOptions {
                 ));
             }
         }
+        self.image.validate()?;
         if !(1..=MAX_QUEUES).contains(&self.queues) {
             return Err(format!(
                 "queues={}: expected 1 to {MAX_QUEUES}",
@@ -104,9 +175,14 @@ impl BlockOptions {
                     .parse()
                     .map_err(|_| format!("queues={value}: not a number"))?
             }
+            Some((key, value)) if FormatOptions::KEYS.contains(&key) => {
+                if let Some(result) = self.image.apply(key, value) {
+                    result?
+                }
+            }
             _ => {
                 return Err(format!(
-                    "disk option `{item}`: expected readonly, serial=S, cache=writeback|none or queues=N"
+                    "disk option `{item}`: expected readonly, serial=S, cache=writeback|none, queues=N, format=raw|qcow2 or backing=PATH"
                 ))
             }
         }
@@ -138,7 +214,7 @@ pub fn repeated_key<'a>(
 impl FromStr for BlockOptions {
     type Err = String;
 
-    /// Parses `PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]`.
+    /// Parses `PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N][,format=F][,backing=PATH]`.
     fn from_str(s: &str) -> Result<Self, String> {
         let mut items = s.split(',');
         let path = items.next().unwrap_or_default();
@@ -160,9 +236,11 @@ mod tests {
 
     #[test]
     fn parses_every_option() {
-        let o: BlockOptions = "/img,readonly,serial=abc,cache=none,queues=4"
+        let o: BlockOptions = "/img,readonly,serial=abc,cache=none,queues=4,format=qcow2,backing=b"
             .parse()
             .unwrap();
+        assert_eq!(o.image.format, ImageFormat::Qcow2);
+        assert_eq!(o.image.backing, Some(PathBuf::from("b")));
         assert_eq!(o.path, PathBuf::from("/img"));
         assert!(o.readonly);
         assert_eq!(o.serial.as_deref(), Some("abc"));
@@ -187,6 +265,10 @@ mod tests {
             "/img,cache=none,cache=writeback",
             "/img,serial=a,serial=b",
             "/img,readonly,readonly",
+            "/img,format=vmdk",
+            "/img,format=raw,backing=/base",
+            "/img,backing=",
+            "/img,format=raw,format=qcow2",
         ] {
             assert!(bad.parse::<BlockOptions>().is_err(), "{bad} accepted");
         }

@@ -5,7 +5,8 @@
 //! - [`chains`]: hostile descriptor tables and available rings published to a running
 //!   virtio-blk, -rng or -console device; checks what the device writes back;
 //! - [`pci_access`]: sequences of configuration-space and BAR accesses on the PCI transport
-//!   of a real virtio-blk device; checks the transport's invariants after each.
+//!   of a real virtio-blk device; checks the transport's invariants after each;
+//! - [`qcow2_image`]: a qcow2 file of arbitrary bytes opened, read and written as a disk.
 //!
 //! This file holds what both use: the guest RAM layout, RAM snapshots, a recording
 //! [`Interrupt`], temporary disk images and the byte reader that decodes fuzz input.
@@ -16,6 +17,7 @@ pub mod chain_input;
 pub mod chains;
 pub mod pci_access;
 pub mod pci_input;
+pub mod qcow2_image;
 
 use std::fs::File;
 use std::io::Write;

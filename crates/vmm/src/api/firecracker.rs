@@ -434,5 +434,6 @@ fn disk_of(d: &FcDrive) -> DiskConfig {
         serial: Some(serial),
         cache: DiskCache::Writeback,
         queues: 1,
+        image: Default::default(),
     }
 }
