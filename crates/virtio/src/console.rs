@@ -430,3 +430,41 @@ mod tests {
         assert_eq!(received, input);
     }
 }
+
+/// The virtio console as a device kind (`--console virtio`): it writes where the serial
+/// port does. Nothing to configure.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsoleConfig {}
+
+impl<M: GuestMemory + Send + Sync + 'static> crate::kind::DeviceKind<M> for ConsoleConfig {
+    const NAME: &'static str = "console";
+    const SYNTAX: &'static str = "virtio|serial";
+    const HELP: &'static str =
+        "`virtio`: add a virtio console (hvc0) writing where --serial writes";
+    const SHAPE: crate::kind::OptionShape = crate::kind::OptionShape::Once;
+
+    fn parse(text: &str) -> Result<Option<Self>, String> {
+        match text {
+            "virtio" => Ok(Some(ConsoleConfig {})),
+            "serial" => Ok(None),
+            _ => Err("expected virtio or serial".into()),
+        }
+    }
+
+    fn label(&self) -> String {
+        "virtio".into()
+    }
+
+    fn create(
+        &self,
+        ctx: &crate::kind::BuildContext<M>,
+    ) -> Result<Box<dyn VirtioDevice<M>>, String> {
+        let output = ctx.console_output.clone()?;
+        let console = Console::new(output, ConsoleInput::None).map_err(|e| e.to_string())?;
+        Ok(Box::new(console))
+    }
+
+    fn guest_difference(&self, _recorded: &Self) -> Option<String> {
+        None
+    }
+}

@@ -19,13 +19,20 @@ use vm_memory::GuestMemory;
 
 pub mod block;
 pub mod console;
+pub mod kind;
 #[cfg(target_os = "linux")]
 pub mod net;
+/// `--net`'s configuration, read on every host.
+#[path = "net/config.rs"]
+pub mod net_config;
 pub mod rng;
 #[cfg(all(test, target_os = "linux"))]
 mod test_driver;
 #[cfg(target_os = "linux")]
 pub mod vsock;
+/// `--vsock`'s configuration, read on every host.
+#[path = "vsock/config.rs"]
+pub mod vsock_config;
 pub mod worker;
 
 pub use transport::{IoEventError, IoEventRegistrar, VirtioInterrupt, VirtioPciDevice};

@@ -88,6 +88,9 @@ pub struct DeviceManager<'a> {
         Arc<Mutex<devices::serial::SerialDevice>>,
         crate::console::SerialInput,
     )>,
+    /// (PCI address, device id) of the listed devices: the ids states before format 4
+    /// saved them under.
+    former_ids: Vec<(String, String)>,
 }
 
 fn bus_error(e: BusError) -> Error {
@@ -130,6 +133,7 @@ impl<'a> DeviceManager<'a> {
             keyboard: None,
             serial_output: None,
             serial_input: None,
+            former_ids: Vec::new(),
         })
     }
 
@@ -236,7 +240,11 @@ impl<'a> DeviceManager<'a> {
             };
             firmware::attach(fw, ctx.config, &machine)?;
         }
-        functions.extend(virtio);
+        for placed in virtio {
+            let address = format!("pci-00:{:02x}.0", placed.slot);
+            self.former_ids.push((address, placed.id));
+            functions.push(placed.function);
+        }
         Ok(functions)
     }
 
@@ -255,10 +263,14 @@ impl<'a> DeviceManager<'a> {
             wake: self.timer_wake,
             gate: Arc::default(),
         };
+        let mut list = platform.into_list(functions)?;
+        for (former, id) in self.former_ids {
+            list.add_former_id(former, id);
+        }
         Ok(MachineDevices {
             pio: Arc::new(IoDispatcher::new("pio", Arc::new(self.pio))),
             mmio: Arc::new(IoDispatcher::new("mmio", Arc::new(self.mmio))),
-            list: platform.into_list(functions)?,
+            list,
             timers,
             serial_output: self.serial_output,
             serial_input: self.serial_input,
@@ -359,7 +371,8 @@ mod tests {
         let mut config = VmConfig::new(StartFrom::Kernel("k".into()));
         config.irqchip = IrqChipKind::Split;
         config.serial = SerialOutput::None;
-        config.rng = true;
+        let rng = crate::config::DeviceConfig::Rng(Default::default());
+        config.devices.add(None, rng).unwrap();
         let vm: Arc<dyn Vm> = Arc::new(crate::irqchip::FakeVm::default());
         let caps = Capabilities {
             irqchip_split: true,
@@ -389,7 +402,7 @@ mod tests {
             "pit",
             "rtc",
             "pci-00:00.0",
-            "pci-00:01.0",
+            "rng0",
             "pci-bus",
             "irqchip",
         ];

@@ -295,7 +295,7 @@ fn shaped_by_snapshot(config: &VmConfig) -> Result<VmConfig> {
     };
     let saved = snapshot::peek_snapshot_config(path)?;
     check_shape_against_snapshot(&config, &saved)?;
-    crate::recorded::apply_to_restore(&mut config, saved.devices.as_ref())?;
+    crate::device_kinds::record::apply_to_restore(&mut config, saved.devices.as_ref())?;
     config.memory = saved.memory_size;
     config.memory_text = format!("{}", saved.memory_size);
     config.cpus = saved.vcpus;
@@ -356,7 +356,7 @@ fn recorded_config(
 ) -> migration::MigrationConfig {
     let irqchip = irqchip_name(config.irqchip);
     let mut recorded = snapshot::migration_config(config.memory, config.cpus, irqchip, regions);
-    recorded.devices = crate::recorded::DeviceRecord::value_of(config);
+    recorded.devices = crate::device_kinds::record::DeviceRecord::value_of(config);
     if let Some(rom) = rom {
         recorded
             .extra
@@ -371,6 +371,7 @@ fn api_setup(config: &VmConfig, attached: Option<Arc<Server>>) -> Result<Option<
         vcpus: config.cpus,
         memory: config.memory,
         irqchip: irqchip_name(config.irqchip),
+        devices: config.devices.clone(),
     };
     Ok(match (attached, &config.api_socket) {
         (Some(server), _) => Some(ApiSetup::Attached(server, info)),
@@ -500,7 +501,9 @@ impl Machine {
             irqchip,
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
-            vhost_net: config.nets.iter().any(|n| n.vhost),
+            vhost_net: config
+                .devices
+                .any(|d| matches!(d, crate::config::DeviceConfig::Net(n) if n.vhost)),
             restored: Default::default(),
             postcopy: Default::default(),
             guest_lost: Default::default(),

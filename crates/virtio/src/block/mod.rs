@@ -11,6 +11,7 @@
 
 mod chain;
 mod image;
+mod kind;
 mod options;
 mod request;
 #[cfg(all(test, target_os = "linux"))]

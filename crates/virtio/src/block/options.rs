@@ -4,13 +4,16 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use serde::{Deserialize, Serialize};
+
 /// Longest serial GET_ID can return (VIRTIO_BLK_ID_BYTES).
 pub const MAX_SERIAL_LEN: usize = 20;
 /// Most request queues a block device offers.
 pub const MAX_QUEUES: u16 = 16;
 
 /// How the host caches the image.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum CacheMode {
     /// Through the host page cache; FLUSH makes writes durable.
     #[default]
@@ -39,8 +42,10 @@ impl FromStr for CacheMode {
     }
 }
 
-/// A virtio-blk device's configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A virtio-blk device's configuration: `--disk`, a Firecracker drive, a snapshot's record
+/// of the disk (fields absent from a record take [`BlockOptions::default`]'s values).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct BlockOptions {
     /// A raw image: a regular file or a block device.
     pub path: PathBuf,
@@ -52,10 +57,18 @@ pub struct BlockOptions {
     pub queues: u16,
     /// Open the image without its lock, which [`crate::VirtioDevice::take_over`] takes later:
     /// a migration destination, whose source holds the lock until the hand-over.
+    #[serde(skip)]
     pub defer_lock: bool,
     /// Restoring a snapshot: refuse an image file whose [`super::ImageStamp`] differs from
     /// the one the snapshot recorded (the guest's memory would not match its disk).
+    #[serde(skip)]
     pub expect_unchanged: bool,
+}
+
+impl Default for BlockOptions {
+    fn default() -> Self {
+        BlockOptions::new("")
+    }
 }
 
 impl BlockOptions {
@@ -78,10 +91,9 @@ impl BlockOptions {
             return Err("disk: empty path".into());
         }
         if let Some(serial) = &self.serial {
-            if serial.len() > MAX_SERIAL_LEN {
+            if serial.len() > MAX_SERIAL_LEN || !serial.is_ascii() {
                 return Err(format!(
-                    "serial={serial}: {} bytes, at most {MAX_SERIAL_LEN}",
-                    serial.len()
+                    "serial must be ASCII and at most {MAX_SERIAL_LEN} bytes"
                 ));
             }
         }
@@ -96,7 +108,7 @@ impl BlockOptions {
 
     fn apply(&mut self, item: &str) -> Result<(), String> {
         match item.split_once('=') {
-            None if item == "readonly" => self.readonly = true,
+            None if item == "readonly" || item == "ro" => self.readonly = true,
             Some(("serial", value)) => self.serial = Some(value.to_string()),
             Some(("cache", value)) => self.cache = value.parse()?,
             Some(("queues", value)) => {
@@ -104,11 +116,7 @@ impl BlockOptions {
                     .parse()
                     .map_err(|_| format!("queues={value}: not a number"))?
             }
-            _ => {
-                return Err(format!(
-                    "disk option `{item}`: expected readonly, serial=S, cache=writeback|none or queues=N"
-                ))
-            }
+            _ => return Err(format!("unknown disk option {item:?}")),
         }
         Ok(())
     }
@@ -142,8 +150,13 @@ impl FromStr for BlockOptions {
     fn from_str(s: &str) -> Result<Self, String> {
         let mut items = s.split(',');
         let path = items.next().unwrap_or_default();
-        if let Some(key) = repeated_key(items.clone(), &[]) {
-            return Err(format!("disk option {key} is given twice"));
+        if path.is_empty() {
+            return Err(
+                "expected PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]".into(),
+            );
+        }
+        if let Some(key) = repeated_key(items.clone(), &[("ro", "readonly")]) {
+            return Err(format!("{key} is given twice"));
         }
         let mut options = BlockOptions::new(path);
         for item in items {
