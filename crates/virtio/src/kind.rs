@@ -61,6 +61,9 @@ pub trait DeviceKind<M>:
     /// The option's help.
     const HELP: &'static str;
     const SHAPE: OptionShape;
+    /// What the device's I/O threads call beyond what every device I/O thread may (the
+    /// `sandbox` crate's profile syntax: one system call a line, `ioctl NAME`...).
+    const SANDBOX: &'static str = "";
 
     /// Parses the option's value (empty for a flag); `None`: the value asks for no device
     /// (`--console serial`). Errors are the reason alone; the caller names the option.

@@ -226,6 +226,7 @@ impl<M: GuestMemory + Send + Sync + 'static> crate::kind::DeviceKind<M> for RngC
     const SYNTAX: &'static str = "";
     const HELP: &'static str = "Add a virtio-rng device fed by the host's getrandom";
     const SHAPE: crate::kind::OptionShape = crate::kind::OptionShape::Flag;
+    const SANDBOX: &'static str = "getrandom";
 
     fn parse(_text: &str) -> Result<Option<Self>, String> {
         Ok(Some(RngConfig {}))

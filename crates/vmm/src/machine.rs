@@ -55,7 +55,7 @@ pub fn run(config: VmConfig) -> Result<Outcome> {
     // Counted before any sandbox: the threads that migrate or build devices may not ask.
     crate::host_cpus();
     // First, so that every thread of the machine starts in its role's sandbox.
-    sandbox::start(config.seccomp)?;
+    sandbox::start_with(config.seccomp, &crate::device_kinds::sandbox_needs())?;
     if config.start == StartFrom::Api {
         return run_configured_by_api(config);
     }

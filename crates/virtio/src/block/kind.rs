@@ -11,6 +11,10 @@ impl<M: GuestMemory + Send + Sync + 'static> DeviceKind<M> for BlockOptions {
     const SYNTAX: &'static str = "PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]";
     const HELP: &'static str = "A virtio-blk disk on a raw image (file or block device)";
     const SHAPE: OptionShape = OptionShape::Repeated;
+    /// Positioned and vectored I/O (O_DIRECT with cache=none), flush, discard and
+    /// write-zeroes (fallocate on a file, BLKDISCARD and BLKZEROOUT on a block device).
+    const SANDBOX: &'static str = "pread64\npwrite64\npreadv\npwritev\nfdatasync\nfallocate\n\
+        ioctl BLKDISCARD\nioctl BLKZEROOUT";
 
     fn parse(text: &str) -> Result<Option<Self>, String> {
         text.parse().map(Some)

@@ -130,6 +130,11 @@ const HELP: &str = "A virtio-net device on a tap interface (created if it does n
     CPUs the vCPUs leave). `vhost=on`: the host kernel serves its queues (/dev/vhost-net, \
     KVM only)";
 
+/// Frames written to a tap straight from guest memory (writev; reads are allowed to every
+/// device), a tap's offloads and which of its queues are attached.
+#[cfg(target_os = "linux")]
+const SANDBOX: &str = "writev\nioctl TUNSETOFFLOAD\nioctl TUNSETQUEUE";
+
 impl NetConfig {
     fn guest_difference(&self, recorded: &NetConfig) -> Option<String> {
         if let (Some(given), Some(saved)) = (self.mac, recorded.mac) {
@@ -151,6 +156,7 @@ impl DeviceKind<MappedMemory> for NetConfig {
     const SYNTAX: &'static str = SYNTAX;
     const HELP: &'static str = HELP;
     const SHAPE: OptionShape = OptionShape::Repeated;
+    const SANDBOX: &'static str = SANDBOX;
 
     fn parse(text: &str) -> Result<Option<Self>, String> {
         text.parse().map(Some)

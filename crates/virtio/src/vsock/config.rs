@@ -62,6 +62,12 @@ impl<M: GuestMemory + Send + Sync + 'static> DeviceKind<M> for VsockConfig {
         Unix socket host processes connect to (`CONNECT port`); guest connections to host \
         port P go to `PATH_P` (Firecracker's convention). Linux only";
     const SHAPE: OptionShape = OptionShape::Once;
+    /// Its host sockets in an epoll set, host clients accepted on the device's socket (made
+    /// non-blocking), guest connections to PATH_port (a non-blocking Unix connect), a
+    /// guest's SHUTDOWN passed on to the host socket; the timer of host clients' CONNECT
+    /// requests (a timerfd made at start-up).
+    const SANDBOX: &'static str = "epoll_wait\nepoll_ctl\naccept4\nioctl FIONBIO\n\
+        socket AF_UNIX\nconnect\nshutdown\nrecvfrom\ntimerfd_settime";
 
     fn parse(text: &str) -> Result<Option<Self>, String> {
         text.parse().map(Some)

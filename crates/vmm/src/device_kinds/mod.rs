@@ -34,6 +34,7 @@ macro_rules! device_kinds {
             syntax: <$config as DeviceKind<GuestMemory>>::SYNTAX,
             help: <$config as DeviceKind<GuestMemory>>::HELP,
             shape: <$config as DeviceKind<GuestMemory>>::SHAPE,
+            sandbox: <$config as DeviceKind<GuestMemory>>::SANDBOX,
             parse: |text| {
                 <$config as DeviceKind<GuestMemory>>::parse(text)
                     .map(|c| c.map(DeviceConfig::$variant))
@@ -98,6 +99,8 @@ pub struct Kind {
     pub syntax: &'static str,
     pub help: &'static str,
     pub shape: OptionShape,
+    /// Profile lines its devices' I/O threads need (`DeviceKind::SANDBOX`).
+    pub sandbox: &'static str,
     pub parse: fn(&str) -> std::result::Result<Option<DeviceConfig>, String>,
 }
 
@@ -115,6 +118,16 @@ impl Kind {
         let rank = KINDS.iter().position(|k| k.name == self.name).unwrap_or(0);
         options[rank]
     }
+}
+
+/// What the device I/O threads need beyond their role's profile: every registered kind's
+/// needs (the sandbox starts before a configuration sent through the API is known).
+pub fn sandbox_needs() -> Vec<(sandbox::Role, &'static str)> {
+    KINDS
+        .iter()
+        .filter(|k| !k.sandbox.is_empty())
+        .map(|k| (sandbox::Role::DeviceIo, k.sandbox))
+        .collect()
 }
 
 /// One device of the machine: an id and its kind's configuration.
