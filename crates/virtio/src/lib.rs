@@ -17,6 +17,7 @@ use devices::exit::Waker;
 use devices::{DeviceState, LifecycleError, StateError};
 use vm_memory::GuestMemory;
 
+pub mod balloon;
 pub mod block;
 pub mod console;
 pub mod kind;
@@ -44,6 +45,7 @@ pub mod device_type {
     pub const BLOCK: u32 = 2;
     pub const CONSOLE: u32 = 3;
     pub const RNG: u32 = 4;
+    pub const BALLOON: u32 = 5;
     pub const VSOCK: u32 = 19;
 }
 

@@ -90,6 +90,7 @@ device_kinds! {
     Rng(virtio::rng::RngConfig),
     Net(virtio::net_config::NetConfig),
     Vsock(virtio::vsock_config::VsockConfig),
+    Balloon(virtio::balloon::BalloonConfig),
 }
 
 /// A kind as the command line and messages know it.
@@ -274,6 +275,7 @@ mod tests {
             DeviceConfig::Rng(Default::default()),
             DeviceConfig::Net(virtio::net_config::NetConfig::on_tap("t")),
             DeviceConfig::Vsock("cid=3,socket=/s".parse().unwrap()),
+            DeviceConfig::Balloon("size_mib=1".parse().unwrap()),
         ];
         assert_eq!(devices.len(), KINDS.len(), "one example per kind");
         for device in devices {
