@@ -280,7 +280,15 @@ impl<M: GuestMemory + Send + Sync + 'static> VirtioDevice<M> for Balloon {
         let at = (offset - 4) as usize;
         actual[at..at + data.len()].copy_from_slice(data);
         let actual = u32::from_le_bytes(actual);
-        self.control.actual_pages.store(actual, Ordering::SeqCst);
+        let before = self.control.actual_pages.swap(actual, Ordering::SeqCst);
+        let target = self.control.target_pages();
+        if actual != before && actual == target && target > 0 {
+            log::info!(
+                "virtio-balloon: the guest gave the {actual} pages asked for ({} given back to \
+                 the host)",
+                self.control.inflated_pages()
+            );
+        }
     }
 
     fn activate(
