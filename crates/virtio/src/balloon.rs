@@ -403,7 +403,6 @@ impl std::str::FromStr for BalloonConfig {
 }
 
 impl<M: GuestMemory + Send + Sync + 'static> DeviceKind<M> for BalloonConfig {
-    const NAME: &'static str = "balloon";
     const SYNTAX: &'static str = "size_mib=N[,deflate_on_oom=on|off][,stats=on|off]";
     const HELP: &'static str = "A virtio-balloon device asking the guest for N MiB back";
     const SHAPE: OptionShape = OptionShape::Once;

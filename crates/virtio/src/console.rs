@@ -437,7 +437,6 @@ mod tests {
 pub struct ConsoleConfig {}
 
 impl<M: GuestMemory + Send + Sync + 'static> crate::kind::DeviceKind<M> for ConsoleConfig {
-    const NAME: &'static str = "console";
     const SYNTAX: &'static str = "virtio|serial";
     const HELP: &'static str =
         "`virtio`: add a virtio console (hvc0) writing where --serial writes";

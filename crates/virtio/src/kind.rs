@@ -53,9 +53,6 @@ pub enum OptionShape {
 pub trait DeviceKind<M>:
     Serialize + DeserializeOwned + Clone + PartialEq + Debug + Send + Sync + 'static
 {
-    /// The kind's name: `kind` in records and replies, the option `--NAME`, the prefix of
-    /// default device ids (`NAME0`, `NAME1`...).
-    const NAME: &'static str;
     /// The option's value as its help shows it.
     const SYNTAX: &'static str;
     /// The option's help.

@@ -222,7 +222,6 @@ mod tests {
 pub struct RngConfig {}
 
 impl<M: GuestMemory + Send + Sync + 'static> crate::kind::DeviceKind<M> for RngConfig {
-    const NAME: &'static str = "rng";
     const SYNTAX: &'static str = "";
     const HELP: &'static str = "Add a virtio-rng device fed by the host's getrandom";
     const SHAPE: crate::kind::OptionShape = crate::kind::OptionShape::Flag;

@@ -136,7 +136,7 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
             .config
             .create(&build)
             .map_err(|reason| Error::Option {
-                option: entry.config.kind().option(),
+                option: entry.config.kind().option,
                 value: entry.config.label(),
                 reason,
             })?;

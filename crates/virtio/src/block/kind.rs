@@ -7,7 +7,6 @@ use crate::kind::{BuildContext, DeviceKind, OptionShape, Start};
 use crate::VirtioDevice;
 
 impl<M: GuestMemory + Send + Sync + 'static> DeviceKind<M> for BlockOptions {
-    const NAME: &'static str = "disk";
     const SYNTAX: &'static str = "PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]";
     const HELP: &'static str = "A virtio-blk disk on a raw image (file or block device)";
     const SHAPE: OptionShape = OptionShape::Repeated;

@@ -123,7 +123,6 @@ pub fn format_mac(mac: &[u8; 6]) -> String {
     mac.map(|b| format!("{b:02x}")).join(":")
 }
 
-const NAME: &str = "net";
 const SYNTAX: &str = "tap=NAME[,mac=MAC][,queues=N][,iothreads=N][,vhost=on|off]";
 const HELP: &str = "A virtio-net device on a tap interface (created if it does not exist). \
     `iothreads=N`: host threads for its queue pairs (default: one per pair, no more than the \
@@ -152,7 +151,6 @@ type MappedMemory = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>;
 
 #[cfg(target_os = "linux")]
 impl DeviceKind<MappedMemory> for NetConfig {
-    const NAME: &'static str = NAME;
     const SYNTAX: &'static str = SYNTAX;
     const HELP: &'static str = HELP;
     const SHAPE: OptionShape = OptionShape::Repeated;
@@ -213,7 +211,6 @@ impl DeviceKind<MappedMemory> for NetConfig {
 
 #[cfg(not(target_os = "linux"))]
 impl<M: vm_memory::GuestMemory + Send + Sync + 'static> DeviceKind<M> for NetConfig {
-    const NAME: &'static str = NAME;
     const SYNTAX: &'static str = SYNTAX;
     const HELP: &'static str = HELP;
     const SHAPE: OptionShape = OptionShape::Repeated;

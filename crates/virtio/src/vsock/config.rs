@@ -56,7 +56,6 @@ impl std::str::FromStr for VsockConfig {
 }
 
 impl<M: GuestMemory + Send + Sync + 'static> DeviceKind<M> for VsockConfig {
-    const NAME: &'static str = "vsock";
     const SYNTAX: &'static str = "cid=N,socket=PATH";
     const HELP: &'static str = "A virtio-vsock device: guest context id N (3 or more) and the \
         Unix socket host processes connect to (`CONNECT port`); guest connections to host \

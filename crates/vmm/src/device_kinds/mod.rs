@@ -17,20 +17,21 @@ use crate::memory::GuestMemory;
 
 pub mod record;
 
-/// Declares the kinds: the [`DeviceConfig`] enum (its serde tag, `kind`, is the variant's
-/// name in lower case, which must be the kind's `NAME`) and [`KINDS`].
+/// Declares the kinds, each `Variant("name", Config)`: the [`DeviceConfig`] enum (its
+/// serde tag, `kind`, is the name) and [`KINDS`].
 macro_rules! device_kinds {
-    ($($variant:ident($config:ty),)*) => {
+    ($($variant:ident($name:literal, $config:ty),)*) => {
         /// One device's configuration, of one of the registered kinds.
         #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-        #[serde(tag = "kind", rename_all = "lowercase")]
+        #[serde(tag = "kind")]
         pub enum DeviceConfig {
-            $($variant($config),)*
+            $(#[serde(rename = $name)] $variant($config),)*
         }
 
         /// Every registered kind, in the order their devices take PCI slots.
         pub const KINDS: &[Kind] = &[$(Kind {
-            name: <$config as DeviceKind<GuestMemory>>::NAME,
+            name: $name,
+            option: concat!("--", $name),
             syntax: <$config as DeviceKind<GuestMemory>>::SYNTAX,
             help: <$config as DeviceKind<GuestMemory>>::HELP,
             shape: <$config as DeviceKind<GuestMemory>>::SHAPE,
@@ -85,40 +86,26 @@ macro_rules! device_kinds {
 }
 
 device_kinds! {
-    Disk(virtio::block::BlockOptions),
-    Console(virtio::console::ConsoleConfig),
-    Rng(virtio::rng::RngConfig),
-    Net(virtio::net_config::NetConfig),
-    Vsock(virtio::vsock_config::VsockConfig),
-    Balloon(virtio::balloon::BalloonConfig),
+    Disk("disk", virtio::block::BlockOptions),
+    Console("console", virtio::console::ConsoleConfig),
+    Rng("rng", virtio::rng::RngConfig),
+    Net("net", virtio::net_config::NetConfig),
+    Vsock("vsock", virtio::vsock_config::VsockConfig),
+    Balloon("balloon", virtio::balloon::BalloonConfig),
 }
 
 /// A kind as the command line and messages know it.
 pub struct Kind {
-    /// `--NAME`, and the prefix of default ids.
+    /// `kind` in records and replies, and the prefix of default ids (`disk0`, `disk1`...).
     pub name: &'static str,
+    /// Its command-line option, `--NAME`.
+    pub option: &'static str,
     pub syntax: &'static str,
     pub help: &'static str,
     pub shape: OptionShape,
     /// Profile lines its devices' I/O threads need (`DeviceKind::SANDBOX`).
     pub sandbox: &'static str,
     pub parse: fn(&str) -> std::result::Result<Option<DeviceConfig>, String>,
-}
-
-impl Kind {
-    /// The kind's command-line option, `--NAME`.
-    pub fn option(&self) -> &'static str {
-        // The names are static and few: leak one string per kind, once.
-        static OPTIONS: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
-        let options = OPTIONS.get_or_init(|| {
-            KINDS
-                .iter()
-                .map(|k| &*Box::leak(format!("--{}", k.name).into_boxed_str()))
-                .collect()
-        });
-        let rank = KINDS.iter().position(|k| k.name == self.name).unwrap_or(0);
-        options[rank]
-    }
 }
 
 /// What the device I/O threads need beyond their role's profile: every registered kind's
@@ -168,7 +155,7 @@ impl Devices {
                 .unwrap_or_default(),
         };
         let refuse = |reason: String| Error::Option {
-            option: kind.option(),
+            option: kind.option,
             value: config.label(),
             reason,
         };
@@ -234,7 +221,7 @@ pub fn kind_named(name: &str) -> Option<&'static Kind> {
 /// place of a leading path. `None`: the value asks for no device.
 pub fn parse_option(kind: &Kind, text: &str) -> Result<Option<(Option<String>, DeviceConfig)>> {
     let bad = |reason: String| Error::Option {
-        option: kind.option(),
+        option: kind.option,
         value: text.to_string(),
         reason,
     };
@@ -268,7 +255,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_kinds_tag_is_its_name() {
+    fn every_kind_round_trips_under_its_name() {
         let devices = [
             DeviceConfig::Disk(virtio::block::BlockOptions::new("/a")),
             DeviceConfig::Console(Default::default()),

@@ -131,7 +131,7 @@ pub fn apply_to_restore(config: &mut VmConfig, saved: Option<&Value>) -> Result<
 /// The refusal of a device given that differs from the snapshot's device.
 fn differs(entry: &DeviceEntry, what: String) -> Error {
     Error::Option {
-        option: entry.config.kind().option(),
+        option: entry.config.kind().option,
         value: entry.config.label(),
         reason: format!(
             "the snapshot's machine has {what} (give the devices as the snapshot's machine had \
