@@ -29,6 +29,10 @@ pub struct DeviceRecord {
     /// Device ids, as `--boot` gave them.
     #[serde(default)]
     pub boot_order: Vec<String>,
+    /// Read from format 1, whose devices had no ids: devices given are matched to them by
+    /// their place among the devices of their kind, as those builds did.
+    #[serde(skip)]
+    pub positional: bool,
 }
 
 /// A format 1 record (read only).
@@ -69,6 +73,7 @@ impl RecordV1 {
             format: DEVICES_FORMAT,
             devices,
             boot_order: self.boot_order.iter().map(|i| format!("disk{i}")).collect(),
+            positional: true,
         })
     }
 }
@@ -82,6 +87,7 @@ impl DeviceRecord {
             format: DEVICES_FORMAT,
             devices: config.devices.clone(),
             boot_order: config.boot_order.clone(),
+            positional: false,
         };
         match serde_json::to_value(record) {
             Ok(value) => Some(value),
@@ -120,12 +126,33 @@ pub fn apply_to_restore(config: &mut VmConfig, saved: Option<&Value>) -> Result<
     };
     let record = DeviceRecord::from_value(saved)?;
     if !config.devices.is_empty() {
+        if record.positional {
+            take_ids_by_place(&mut config.devices, &record.devices);
+        }
         config.devices = given_as_recorded(&config.devices, &record.devices)?;
     } else {
         config.devices = record.devices;
     }
     config.boot_order = record.boot_order;
     Ok(())
+}
+
+/// Gives the n-th device of each kind in `given` the id of the n-th of that kind in
+/// `recorded` (a format 1 record's devices have the ids of their places).
+fn take_ids_by_place(given: &mut Devices, recorded: &Devices) {
+    let mut seen: Vec<&str> = Vec::new();
+    for entry in &mut given.0 {
+        let kind = entry.config.kind().name;
+        let place = seen.iter().filter(|k| **k == kind).count();
+        seen.push(kind);
+        let namesake = recorded
+            .iter()
+            .filter(|r| r.config.kind().name == kind)
+            .nth(place);
+        if let Some(namesake) = namesake {
+            entry.id = namesake.id.clone();
+        }
+    }
 }
 
 /// The refusal of a device given that differs from the snapshot's device.
@@ -230,6 +257,19 @@ mod tests {
         apply_to_restore(&mut config, Some(&v1)).unwrap();
         assert_eq!(config.devices, machine().devices);
         assert_eq!(config.boot_order, ["disk1", "disk0"]);
+        // Devices given (named as Firecracker's drives are) match by their place.
+        let mut given = machine();
+        given.start = StartFrom::Restore("snap".into());
+        for (entry, id) in given
+            .devices
+            .0
+            .iter_mut()
+            .zip(["root", "data", "r", "eth0", "v"])
+        {
+            entry.id = id.into();
+        }
+        apply_to_restore(&mut given, Some(&v1)).unwrap();
+        assert_eq!(given.devices, machine().devices);
     }
 
     #[test]
