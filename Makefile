@@ -114,11 +114,11 @@ linux: linux-deps
 # an SMP guest whose vCPUs outnumber the host's cores spends its time spinning on CPUs that
 # are not running. The release build of ferrovm runs them (LINUX_TEST_THREADS changes it).
 LINUX_TEST_THREADS ?= 1
-test-linux: deps guests linux check-kvm
+test-linux: deps guests linux fcsdk check-kvm
 	$(CARGO) build --release --workspace
 	@set -o pipefail; \
-	FERROVM_LINUX=$(CURDIR)/$(LINUX_DIR) FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) \
-		$(CARGO) test --release -p ferrovm --test linux --test linux_devices -- --ignored --test-threads=$(LINUX_TEST_THREADS) 2>&1 \
+	FERROVM_LINUX=$(CURDIR)/$(LINUX_DIR) FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) FERROVM_FCSDK=$(CURDIR)/$(FCSDK) \
+		$(CARGO) test --release -p ferrovm --test linux --test linux_devices --test fcsdk -- --ignored --test-threads=$(LINUX_TEST_THREADS) 2>&1 \
 		| tee target/test-linux.log
 
 # Coverage-guided fuzzing (not part of `make test`): each target of fuzz/ for FUZZ_SECONDS

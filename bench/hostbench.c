@@ -9,14 +9,22 @@
  *                                      and of memory advised MADV_HUGEPAGE ("touch-thp"),
  *                                      memmove between huge-page buffers, integer loop
  *   hostbench os [reps] [dir]          what needs an operating system: getpid, fork+wait,
- *                                      write+fsync (4 KiB to a file in dir, default /var/tmp)
+ *                                      write+fsync (4 KiB to a file in dir, default /var/tmp),
+ *                                      reading /dev/zero, and a sequential write of 1 MiB
+ *                                      chunks with one fsync, then a read of it from disk
  *   hostbench all [reps] [dir]         tsc, work, os
  *   hostbench prime MIB                touches MIB MiB of fresh memory and frees it (the
  *                                      harness's way to start runs from the same host state)
  *
  * Output lines: "work: <name> rep=<k> units=<n> cycles=<c> check=<hex>" (as the guest's).
  * Run as PID 1 (the /init of an initramfs, see bench/linux-initramfs.sh) it mounts
- * /proc and a tmpfs on /tmp, runs "all" with dir /tmp, and powers the machine off.
+ * /proc, and /dev/vda (ext4) on /mnt if the machine has that disk, else a tmpfs; runs "all"
+ * with dir there, and powers the machine off.
+ *
+ * The counts come from the environment where a guest's emulated kernel makes the host's
+ * too slow (a Linux guest's init gets the kernel command line's KEY=VALUE words):
+ * HB_GETPID (10^6), HB_FORK (500), HB_FSYNC (100), HB_ZERO_MIB (256), HB_SEQ_MIB (128),
+ * HB_REPS (3), HB_INT (10^8), HB_WORK_MIB (256).
  *
  * Built statically (bench/Makefile) so the same binary runs on the host and in a guest.
  */
@@ -115,9 +123,66 @@ static void work(unsigned long reps, unsigned long int_n, unsigned long bytes)
 	}
 }
 
+static unsigned long env_ul(const char *name, unsigned long dflt)
+{
+	const char *v = getenv(name);
+	return v && *v ? strtoul(v, NULL, 0) : dflt;
+}
+
+static int open_or_die(const char *path, int flags)
+{
+	int fd = open(path, flags, 0600);
+	if (fd < 0) {
+		fprintf(stderr, "hostbench: %s: %s\n", path, strerror(errno));
+		exit(1);
+	}
+	return fd;
+}
+
+/* Reads of /dev/zero (the kernel's memset to user memory) and a sequential write of 1 MiB
+ * chunks with one fsync, then the same file read back after dropping it from the page
+ * cache: units are bytes. */
+static void bulk(unsigned long reps, const char *dir)
+{
+	static char chunk[MIB];
+	unsigned long zero = env_ul("HB_ZERO_MIB", 256), seq = env_ul("HB_SEQ_MIB", 128);
+	int zfd = open_or_die("/dev/zero", O_RDONLY);
+	for (unsigned long r = 0; r < reps; r++) {
+		unsigned long t0 = hb_rdtsc();
+		for (unsigned long i = 0; i < zero; i++)
+			if (read(zfd, chunk, MIB) != (ssize_t)MIB)
+				exit(1);
+		line("zero-read", r, zero * MIB, hb_rdtsc() - t0, 0);
+	}
+	close(zfd);
+	char path[4096];
+	snprintf(path, sizeof(path), "%s/hostbench-seq.%d", dir, (int)getpid());
+	memset(chunk, 0xa5, sizeof(chunk));
+	for (unsigned long r = 0; r < reps; r++) {
+		int fd = open_or_die(path, O_CREAT | O_TRUNC | O_RDWR);
+		unsigned long t0 = hb_rdtsc();
+		for (unsigned long i = 0; i < seq; i++)
+			if (write(fd, chunk, MIB) != (ssize_t)MIB)
+				exit(1);
+		if (fsync(fd) != 0)
+			exit(1);
+		line("seq-write", r, seq * MIB, hb_rdtsc() - t0, 0);
+		posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+		lseek(fd, 0, SEEK_SET);
+		t0 = hb_rdtsc();
+		for (unsigned long i = 0; i < seq; i++)
+			if (read(fd, chunk, MIB) != (ssize_t)MIB)
+				exit(1);
+		line("seq-read", r, seq * MIB, hb_rdtsc() - t0, 0);
+		close(fd);
+		unlink(path);
+	}
+}
+
 static void os(unsigned long reps, const char *dir)
 {
-	const unsigned long n_getpid = 1000000, n_fork = 500, n_fsync = 100;
+	const unsigned long n_getpid = env_ul("HB_GETPID", 1000000), n_fork = env_ul("HB_FORK", 500),
+			    n_fsync = env_ul("HB_FSYNC", 100);
 	for (unsigned long r = 0; r < reps; r++) {
 		unsigned long t0 = hb_rdtsc(), s = 0;
 		for (unsigned long i = 0; i < n_getpid; i++)
@@ -159,6 +224,7 @@ static void os(unsigned long reps, const char *dir)
 	}
 	close(fd);
 	unlink(path);
+	bulk(reps, dir);
 }
 
 static unsigned long arg_ul(int argc, char **argv, int i, unsigned long dflt)
@@ -171,13 +237,21 @@ int main(int argc, char **argv)
 	if (getpid() == 1) {
 		/* /init of a benchmark initramfs. */
 		mkdir("/proc", 0555);
-		mkdir("/tmp", 01777);
+		mkdir("/dev", 0755);
+		mkdir("/mnt", 0755);
 		mount("proc", "/proc", "proc", 0, NULL);
-		mount("tmpfs", "/tmp", "tmpfs", 0, NULL);
+		mount("devtmpfs", "/dev", "devtmpfs", 0, NULL);
+		const char *dir = "/mnt";
+		if (mount("/dev/vda", "/mnt", "ext4", 0, NULL) != 0)
+			mount("tmpfs", "/mnt", "tmpfs", 0, NULL);
+		else
+			printf("hostbench: /dev/vda (ext4) on /mnt\n");
 		printf("hostbench: running as init\n");
+		unsigned long reps = env_ul("HB_REPS", 3);
 		tsc();
-		work(3, 100000000, 256 * MIB);
-		os(3, "/tmp");
+		work(reps, env_ul("HB_INT", 100000000), env_ul("HB_WORK_MIB", 256) * MIB);
+		os(reps, dir);
+		umount("/mnt");
 		printf("hostbench: done\n");
 		fflush(stdout);
 		sync();

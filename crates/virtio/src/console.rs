@@ -2,8 +2,11 @@
 //! carries input to the guest, transmitq 1 its output.
 //!
 //! Output goes to a sink given at construction (stdout, a file, any writer). Input, if any,
-//! is read by a thread of its own into a bounded buffer ([`INPUT_CAPACITY`] bytes: the reader
-//! waits while it is full) and handed to the guest as receive buffers become available.
+//! goes into a bounded buffer ([`INPUT_CAPACITY`] bytes) and is handed to the guest as
+//! receive buffers become available. It is either read by a thread of the device's own
+//! (which waits while the buffer is full) or offered by the VMM through a
+//! [`ConsoleInputPort`], which never waits: what does not fit stays with the VMM, which is
+//! told when the guest made room.
 
 use std::collections::VecDeque;
 use std::fs::OpenOptions;
@@ -46,6 +49,9 @@ pub enum ConsoleInput {
     #[default]
     None,
     Stdin,
+    /// Whatever the VMM offers through [`Console::input_port`] (a terminal or a socket it
+    /// serves).
+    Port,
 }
 
 /// Shared by the input reader thread and the device's worker.
@@ -54,6 +60,8 @@ struct InputBuffer {
     space: Condvar,
     /// Tells the worker that bytes arrived.
     arrived: Arc<Waker>,
+    /// Tells a [`ConsoleInputPort`]'s owner that the guest took input.
+    room: Mutex<Option<Arc<Waker>>>,
 }
 
 #[derive(Default)]
@@ -63,6 +71,15 @@ struct InputState {
 }
 
 impl InputBuffer {
+    fn new() -> io::Result<InputBuffer> {
+        Ok(InputBuffer {
+            state: Mutex::new(InputState::default()),
+            space: Condvar::new(),
+            arrived: Arc::new(Waker::new()?),
+            room: Mutex::new(None),
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, InputState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -93,9 +110,13 @@ impl InputBuffer {
                 }
             };
             self.lock().bytes.extend(&chunk[..n]);
-            if let Err(e) = self.arrived.wake() {
-                log::error!("virtio-console: cannot wake the worker: {e}");
-            }
+            self.wake_worker();
+        }
+    }
+
+    fn wake_worker(&self) {
+        if let Err(e) = self.arrived.wake() {
+            log::error!("virtio-console: cannot wake the worker: {e}");
         }
     }
 
@@ -103,9 +124,15 @@ impl InputBuffer {
     fn take(&self, max: usize) -> Vec<u8> {
         let mut state = self.lock();
         let n = state.bytes.len().min(max);
-        let taken = state.bytes.drain(..n).collect();
+        let taken: Vec<u8> = state.bytes.drain(..n).collect();
         drop(state);
         self.space.notify_all();
+        let room = self.room.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let (Some(room), false) = (room, taken.is_empty()) {
+            if let Err(e) = room.wake() {
+                log::error!("virtio-console: cannot tell the input's owner: {e}");
+            }
+        }
         taken
     }
 
@@ -116,6 +143,31 @@ impl InputBuffer {
     fn close(&self) {
         self.lock().closed = true;
         self.space.notify_all();
+    }
+}
+
+/// The VMM's end of a console's input (see [`ConsoleInput::Port`]).
+#[derive(Clone)]
+pub struct ConsoleInputPort(Arc<InputBuffer>);
+
+impl ConsoleInputPort {
+    /// Takes what fits of `bytes` now and returns how much; never waits for the guest.
+    pub fn offer(&self, bytes: &[u8]) -> usize {
+        let mut state = self.0.lock();
+        let n = bytes
+            .len()
+            .min(INPUT_CAPACITY - state.bytes.len().min(INPUT_CAPACITY));
+        state.bytes.extend(&bytes[..n]);
+        drop(state);
+        if n > 0 {
+            self.0.wake_worker();
+        }
+        n
+    }
+
+    /// `room` is woken whenever the guest takes input.
+    pub fn set_room_waker(&self, room: Arc<Waker>) {
+        *self.0.room.lock().unwrap_or_else(|e| e.into_inner()) = Some(room);
     }
 }
 
@@ -145,11 +197,25 @@ impl Console {
                     .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?,
             ),
         };
-        let source: Option<Box<dyn Read + Send>> = match input {
-            ConsoleInput::None => None,
-            ConsoleInput::Stdin => Some(Box::new(io::stdin())),
-        };
-        Console::with_io(sink, source)
+        Console::with_sink(sink, input)
+    }
+
+    /// A console writing to `output`, its input as `input` says.
+    pub fn with_sink(output: Box<dyn Write + Send>, input: ConsoleInput) -> io::Result<Console> {
+        match input {
+            ConsoleInput::None => Console::with_io(output, None),
+            ConsoleInput::Stdin => Console::with_io(output, Some(Box::new(io::stdin()))),
+            ConsoleInput::Port => {
+                let mut console = Console::with_io(output, None)?;
+                console.input = Some(Arc::new(InputBuffer::new()?));
+                Ok(console)
+            }
+        }
+    }
+
+    /// Where the VMM offers input, for a console made with [`ConsoleInput::Port`].
+    pub fn input_port(&self) -> Option<ConsoleInputPort> {
+        self.input.clone().map(ConsoleInputPort)
     }
 
     /// A console over any writer and reader. A thread reads `input`; it ends at end of
@@ -161,11 +227,7 @@ impl Console {
         let input = match input {
             None => None,
             Some(source) => {
-                let buffer = Arc::new(InputBuffer {
-                    state: Mutex::new(InputState::default()),
-                    space: Condvar::new(),
-                    arrived: Arc::new(Waker::new()?),
-                });
+                let buffer = Arc::new(InputBuffer::new()?);
                 let pump = buffer.clone();
                 sandbox::spawn(sandbox::Role::DeviceIo, "virtio-con-in", move || {
                     pump.pump(source)
@@ -397,6 +459,44 @@ mod tests {
             .contains("/nonexistent/dir/x"));
     }
 
+    /// The VMM's port takes what fits, says when the guest made room, and what it offered
+    /// reaches the guest in order.
+    #[test]
+    fn offered_input_is_bounded_and_room_is_signalled() {
+        let mut console = Console::with_sink(Box::new(io::sink()), ConsoleInput::Port).unwrap();
+        let port = console.input_port().unwrap();
+        let room = Arc::new(Waker::new().unwrap());
+        port.set_room_waker(room.clone());
+        let typed: Vec<u8> = (0..INPUT_CAPACITY as u32 + 500).map(|i| i as u8).collect();
+        let taken = port.offer(&typed);
+        assert_eq!(taken, INPUT_CAPACITY, "the buffer is bounded");
+        assert_eq!(
+            port.offer(&typed[taken..]),
+            0,
+            "a full buffer takes nothing"
+        );
+        assert!(!room.drain(), "no room before the guest took anything");
+
+        let mut driver = TestDriver::new(&[QUEUE_SIZE, QUEUE_SIZE]);
+        activate(&mut console, &driver);
+        let first = driver.alloc(1000);
+        driver.add_chain(0, &[Buf::w(first, 1000)]);
+        driver.kick(0);
+        assert_eq!(driver.wait_used(0, 1)[0].1, 1000);
+        assert!(room.drain(), "the guest's read made room and said so");
+        let rest = &typed[taken..];
+        assert_eq!(port.offer(rest), rest.len());
+        let mut received = driver.read(first, 1000);
+        while received.len() < typed.len() {
+            let b = driver.alloc(2048);
+            driver.add_chain(0, &[Buf::w(b, 2048)]);
+            driver.kick(0);
+            let (_, len) = driver.wait_used(0, 1)[0];
+            received.extend(driver.read(b, len as usize));
+        }
+        assert_eq!(received, typed);
+    }
+
     #[test]
     fn input_fills_receive_buffers_in_order_and_stays_bounded() {
         let input: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
@@ -438,8 +538,9 @@ pub struct ConsoleConfig {}
 
 impl<M: GuestMemory + Send + Sync + 'static> crate::kind::DeviceKind<M> for ConsoleConfig {
     const SYNTAX: &'static str = "virtio|serial";
-    const HELP: &'static str =
-        "`virtio`: add a virtio console (hvc0) writing where --serial writes";
+    const HELP: &'static str = "`virtio`: add a virtio console (hvc0) that writes where \
+        --serial writes and takes the console's input (the terminal or the socket client) \
+        instead of COM1";
     const SHAPE: crate::kind::OptionShape = crate::kind::OptionShape::Once;
 
     fn parse(text: &str) -> Result<Option<Self>, String> {
@@ -458,8 +559,10 @@ impl<M: GuestMemory + Send + Sync + 'static> crate::kind::DeviceKind<M> for Cons
         &self,
         ctx: &crate::kind::BuildContext<M>,
     ) -> Result<Box<dyn VirtioDevice<M>>, String> {
-        let output = ctx.console_output.clone()?;
-        let console = Console::new(output, ConsoleInput::None).map_err(|e| e.to_string())?;
+        let mut made = ctx.console.lock().unwrap_or_else(|e| e.into_inner());
+        let console = made
+            .take()
+            .ok_or("the machine made no console for the virtio console")?;
         Ok(Box::new(console))
     }
 

@@ -5,12 +5,12 @@
 //! nothing else in the VMM names a kind.
 
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::console::ConsoleOutput;
+use crate::console::Console;
 use crate::VirtioDevice;
 
 /// How the machine starts, as far as a device's host resources care.
@@ -33,9 +33,9 @@ pub struct BuildContext<'a, M> {
     pub host_cpus: usize,
     /// The accelerator's irqfd and ioeventfd serve the queues (a vhost back end needs both).
     pub kernel_queues: bool,
-    /// Where a virtio console writes: where the serial port does, if that can be shared
-    /// (`Err` says why not).
-    pub console_output: Result<ConsoleOutput, String>,
+    /// The virtio console the machine made as its console (it writes where the serial port
+    /// does and takes the console's input), for the console kind to take.
+    pub console: Mutex<Option<Console>>,
 }
 
 /// How the command line spells a kind's option `--NAME`.

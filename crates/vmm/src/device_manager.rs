@@ -57,11 +57,8 @@ pub struct MachineDevices {
     pub timers: TimerDevices,
     /// COM1's output queue, drained at exit.
     pub serial_output: Option<Arc<devices::output::OutputQueue>>,
-    /// COM1 and its input, started when the machine runs.
-    pub serial_input: Option<(
-        Arc<Mutex<devices::serial::SerialDevice>>,
-        crate::console::SerialInput,
-    )>,
+    /// The console's device (COM1 or hvc0) and its input, started when the machine runs.
+    pub serial_input: Option<ConsoleInput>,
     /// The i8042, whose keyboard the API presses Ctrl+Alt+Del on.
     pub keyboard: Option<Arc<Mutex<I8042>>>,
 }
@@ -84,14 +81,19 @@ pub struct DeviceManager<'a> {
     fw_cfg: Option<Arc<Mutex<FwCfg>>>,
     keyboard: Option<Arc<Mutex<I8042>>>,
     serial_output: Option<Arc<devices::output::OutputQueue>>,
-    serial_input: Option<(
-        Arc<Mutex<devices::serial::SerialDevice>>,
-        crate::console::SerialInput,
-    )>,
+    serial_input: Option<ConsoleInput>,
+    /// hvc0 (`--console virtio`), until it goes on the PCI bus.
+    virtio_console: Option<virtio::console::Console>,
     /// (PCI address, device id) of the listed devices: the ids states before format 4
     /// saved them under.
     former_ids: Vec<(String, String)>,
 }
+
+/// The device console input feeds, and where that input comes from.
+pub type ConsoleInput = (
+    Box<dyn crate::console::InputTarget>,
+    crate::console::SerialInput,
+);
 
 fn bus_error(e: BusError) -> Error {
     Error::Devices(e.to_string())
@@ -134,6 +136,7 @@ impl<'a> DeviceManager<'a> {
             serial_output: None,
             serial_input: None,
             former_ids: Vec::new(),
+            virtio_console: None,
         })
     }
 
@@ -165,13 +168,25 @@ impl<'a> DeviceManager<'a> {
         Ok(())
     }
 
-    /// COM1, its output queue and where its input comes from.
+    /// COM1, its output queue, hvc0 if asked for, and which of them takes the input.
     fn add_console(&mut self) -> Result<()> {
+        let config = self.ctx.config;
         let irq = Arc::new(self.irq_pin(devices::serial::COM1_IRQ));
-        let com1 = crate::console::build_com1(&self.ctx.config.serial, irq, &mut self.pio)?;
+        let com1 = crate::console::build_com1(&config.serial, irq, &mut self.pio)?;
         self.pc.push(com1.device.clone());
         self.serial_output = com1.output;
-        self.serial_input = com1.input.map(|input| (com1.device, input));
+        let mut target: Box<dyn crate::console::InputTarget> = Box::new(com1.device);
+        let virtio_console = config
+            .devices
+            .any(|d| matches!(d, crate::config::DeviceConfig::Console(_)));
+        if virtio_console {
+            let hvc = crate::console::build_virtio_console(&config.serial, com1.input.as_ref())?;
+            if let Some(port) = hvc.input_port() {
+                target = Box::new(port);
+            }
+            self.virtio_console = Some(hvc);
+        }
+        self.serial_input = com1.input.map(|input| (target, input));
         Ok(())
     }
 
@@ -230,6 +245,7 @@ impl<'a> DeviceManager<'a> {
                 memory: ctx.memory,
                 pci,
             },
+            self.virtio_console.take(),
         )?;
         if let (Some(fw), Some(fw_cfg)) = (ctx.firmware, &self.fw_cfg) {
             let machine = firmware::MachineParts {

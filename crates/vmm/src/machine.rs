@@ -10,7 +10,6 @@ use crate::power::PowerControl;
 use devices::bus::IoDispatcher;
 use devices::exit::{ExitReason, ExitRequest, Waker};
 use devices::i8042::I8042;
-use devices::serial::SerialDevice;
 use hypervisor::{open_accelerator_with, AccelOptions, SegmentRegister, StandardRegisters, Vcpu};
 
 use crate::api::{Api, MachineInfo, MachineOps, Server};
@@ -165,11 +164,8 @@ struct Machine {
     serial_output: Option<Arc<devices::output::OutputQueue>>,
     /// The i8042, whose keyboard the API presses Ctrl+Alt+Del on.
     keyboard: Option<Arc<std::sync::Mutex<I8042>>>,
-    /// COM1's input (a terminal or a socket), started when the machine runs.
-    serial_input: Option<(
-        Arc<std::sync::Mutex<SerialDevice>>,
-        crate::console::SerialInput,
-    )>,
+    /// The console's input (a terminal or a socket), started when the machine runs.
+    serial_input: Option<crate::device_manager::ConsoleInput>,
 }
 
 fn open_kernel(config: &VmConfig, path: &std::path::Path) -> Result<File> {
@@ -611,7 +607,7 @@ impl Machine {
         }
         let signals = SignalWatch::install()?;
         let _console = match self.serial_input.take() {
-            Some((com1, input)) => Some(input.start(com1, self.context.exit.clone())?),
+            Some((device, input)) => Some(input.start(device, self.context.exit.clone())?),
             None => None,
         };
         // Built, restored or received: from here on the main thread only starts, watches and

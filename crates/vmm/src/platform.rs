@@ -9,11 +9,11 @@ use devices::irqchip::{IrqChip, IrqPin};
 use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
 use hypervisor::{Capabilities, Vm};
 use pci::{HostBridge, IntxLine, IntxPin, PciBus};
-use virtio::console::ConsoleOutput;
+use virtio::console::Console;
 use virtio::kind::{BuildContext, Start};
 use virtio::{IoEventRegistrar, VirtioDevice, VirtioPciDevice};
 
-use crate::config::{SerialOutput, StartFrom, VmConfig};
+use crate::config::{StartFrom, VmConfig};
 use crate::error::{Error, Result};
 use crate::ioevents::VmIoEvents;
 use crate::memory::GuestMemory;
@@ -111,7 +111,12 @@ pub struct PlacedDevice {
 
 /// Creates the devices `config` lists (each through its kind, `device_kinds`) and puts
 /// them on the PCI bus, in list order. Every device is made before any takes a slot.
-pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<PlacedDevice>> {
+/// `console`: hvc0 as the machine's console made it (`--console virtio`).
+pub fn add_virtio_devices(
+    config: &VmConfig,
+    ctx: &VirtioContext,
+    console: Option<Console>,
+) -> Result<Vec<PlacedDevice>> {
     let kernel_paths = kernel_eventfds_wanted();
     let gsis = (kernel_paths && ctx.caps.irqfd).then(|| Arc::new(GsiAllocator::new(MAX_MSI_GSI)));
     let ioevents: Option<Arc<dyn IoEventRegistrar>> = (kernel_paths && ctx.caps.ioeventfd)
@@ -128,7 +133,7 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
         vcpus: config.cpus,
         host_cpus: crate::host_cpus(),
         kernel_queues: kernel_paths && ctx.caps.irqfd && ctx.caps.ioeventfd,
-        console_output: console_output(&config.serial),
+        console: Mutex::new(console),
     };
     let mut models = Vec::new();
     for entry in config.devices.iter() {
@@ -146,17 +151,6 @@ pub fn add_virtio_devices(config: &VmConfig, ctx: &VirtioContext) -> Result<Vec<
         .into_iter()
         .map(|(entry, model)| plug(ctx, &entry.id, model, gsis.clone(), ioevents.clone()))
         .collect()
-}
-
-/// Where a virtio console writes: where the serial port does.
-fn console_output(serial: &SerialOutput) -> std::result::Result<ConsoleOutput, String> {
-    match serial {
-        SerialOutput::Stdio => Ok(ConsoleOutput::Stdout),
-        SerialOutput::File(path) => Ok(ConsoleOutput::File(path.clone())),
-        SerialOutput::None | SerialOutput::Socket(_) => Err(
-            "the virtio console writes where --serial does, which must be stdio or a file".into(),
-        ),
-    }
 }
 
 /// `FERROVM_KERNEL_EVENTFDS=off` makes the devices take the paths of a kernel without

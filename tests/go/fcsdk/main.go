@@ -8,10 +8,13 @@
 //
 // KERNEL is the migrate-dirty test guest, which prints "migrate-dirty: pass N ..." lines
 // with N never decreasing, across a snapshot too; or blk-stress, whose "stress: round N ok"
-// lines say it wrote the drive and read it back intact. WORKDIR holds disk.img, the drive's raw
+// lines say it wrote the drive and read it back intact; or the Linux test guest's vmlinux
+// (its initramfs.cpio beside it), which runs the counter test on the drive, an ext4 image:
+// "FERROVM-COUNT i=N" once a second, each number appended to /count and synced; the loaded
+// VM counts to the end and powers off by itself. WORKDIR holds disk.img, the drive's
 // image; TAP is the tap the network interface uses (created by the VMM). The program
 // prints what it saw and "PASS" last; the Rust test (tests/fcsdk.rs) checks the two serial
-// logs as well, and deletes the tap.
+// logs as well (and for Linux the drive's filesystem), and deletes the tap.
 package main
 
 import (
@@ -37,12 +40,30 @@ import (
 var (
 	passLine   = regexp.MustCompile(`migrate-dirty: pass (\d+) `)
 	kernelArgs = "mib=16 report_ms=100"
+	// How long a pass may take to come (Linux boots for minutes here).
+	passLimit = 30 * time.Second
+	vcpus     = int64(2)
+	memMiB    = int64(128)
+	// The Linux guest's initramfs; with it the loaded VM runs to its own power-off.
+	initrd = ""
 )
 
 func useBlkStress() {
 	passLine = regexp.MustCompile(`stress: round (\d+) ok: `)
 	kernelArgs = "rounds=0 wait=hlt"
 }
+
+func useLinux(kernel string) {
+	passLine = regexp.MustCompile(`FERROVM-COUNT i=(\d+)`)
+	kernelArgs = "console=ttyS0 nmi_watchdog=0 rcupdate.rcu_cpu_stall_suppress=1 " +
+		"tsc=reliable ferrovm.test=counter ferrovm.counter.until=" + linuxCountTo
+	passLimit = 20 * time.Minute
+	vcpus, memMiB = 1, 256
+	initrd = filepath.Join(filepath.Dir(kernel), "initramfs.cpio")
+}
+
+// The Linux guest's last count (tests/fcsdk.rs checks /count against it).
+const linuxCountTo = "20"
 
 // lastPass is the highest pass the guest's serial log at path reports, or -1.
 func lastPass(path string) int {
@@ -58,14 +79,14 @@ func lastPass(path string) int {
 
 // waitForPass waits until the serial log reports a pass above `above`.
 func waitForPass(path string, above int) (int, error) {
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(passLimit)
 	for time.Now().Before(deadline) {
 		if n := lastPass(path); n > above {
 			return n, nil
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return 0, fmt.Errorf("%s: no pass above %d within 30 s", path, above)
+	return 0, fmt.Errorf("%s: no pass above %d within %v", path, above, passLimit)
 }
 
 // command is how the SDK starts the VMM: the ferrovm binary with Firecracker's
@@ -174,10 +195,11 @@ func run(bin, kernel, dir, tap string) error {
 	cfg := firecracker.Config{
 		SocketPath:      socket,
 		KernelImagePath: kernel,
+		InitrdPath:      initrd,
 		KernelArgs:      kernelArgs,
 		MachineCfg: models.MachineConfiguration{
-			VcpuCount:  firecracker.Int64(2),
-			MemSizeMib: firecracker.Int64(128),
+			VcpuCount:  firecracker.Int64(vcpus),
+			MemSizeMib: firecracker.Int64(memMiB),
 			Smt:        firecracker.Bool(false),
 		},
 		Drives: []models.Drive{{
@@ -271,10 +293,18 @@ func run(bin, kernel, dir, tap string) error {
 	if _, err := waitForPass(second, resumed); err != nil {
 		return err
 	}
-	if err := m.StopVMM(); err != nil {
-		return fmt.Errorf("StopVMM (second): %w", err)
+	if initrd != "" {
+		// Linux counts to the end, unmounts and powers off: the VMM ends with 0.
+		if err := m.Wait(ctx); err != nil {
+			return fmt.Errorf("the loaded Linux did not power off cleanly: %w", err)
+		}
+		fmt.Printf("fcsdk: loaded Linux counted to %d and powered off\n", lastPass(second))
+	} else {
+		if err := m.StopVMM(); err != nil {
+			return fmt.Errorf("StopVMM (second): %w", err)
+		}
+		_ = m.Wait(ctx)
 	}
-	_ = m.Wait(ctx)
 	fmt.Printf("fcsdk: loaded VM resumed and reached pass %d; drive, tap %s and vsock socket in place\n",
 		resumed, dev.tap)
 	fmt.Println("PASS")
@@ -286,8 +316,11 @@ func main() {
 		fmt.Fprintln(os.Stderr, "usage: fcsdk FERROVM KERNEL WORKDIR TAP")
 		os.Exit(2)
 	}
-	if strings.Contains(filepath.Base(os.Args[2]), "blk-stress") {
+	switch base := filepath.Base(os.Args[2]); {
+	case strings.Contains(base, "blk-stress"):
 		useBlkStress()
+	case base == "vmlinux":
+		useLinux(os.Args[2])
 	}
 	if err := run(os.Args[1], os.Args[2], os.Args[3], os.Args[4]); err != nil {
 		fmt.Printf("FAIL: %v\n", err)

@@ -9,8 +9,10 @@
 //!   Another client that connects meanwhile is closed at once. Output while no client is
 //!   connected is discarded, as QEMU's server socket does.
 //!
-//! Input goes through an [`pump::InputPump`] into the UART's FIFO: it waits for the guest,
-//! never drops a byte, never blocks a vCPU.
+//! Input goes through an [`pump::InputPump`] into the console's device: it waits for the
+//! guest, never drops a byte, never blocks a vCPU. With `--console virtio` that device is
+//! the virtio console (hvc0), which also writes where `--serial` says, socket included;
+//! COM1 then keeps its output and gets no input.
 
 mod escape;
 mod pump;
@@ -32,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::socket::SocketGuard;
 use escape::{Command, EscapeFilter, HELP};
 use pump::InputPump;
+pub use pump::InputTarget;
 use terminal::RawMode;
 
 /// COM1, built.
@@ -110,6 +113,44 @@ pub fn build_com1(serial: &SerialOutput, irq: Arc<dyn IrqLine>, pio: &mut Bus) -
     })
 }
 
+/// `--console virtio`: hvc0 writes where `--serial` says and, when COM1 would have input
+/// (`input`: a terminal or the socket's client), takes that input instead.
+pub fn build_virtio_console(
+    serial: &SerialOutput,
+    input: Option<&SerialInput>,
+) -> Result<virtio::console::Console> {
+    let refuse = |reason: String| Error::Option {
+        option: "--console",
+        value: "virtio".into(),
+        reason,
+    };
+    let sink: Box<dyn Write + Send> = match (serial, input) {
+        (SerialOutput::Stdio, _) => Box::new(io::stdout()),
+        (SerialOutput::File(path), _) => Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| refuse(format!("{}: {e}", path.display())))?,
+        ),
+        (SerialOutput::Socket(_), Some(SerialInput::Socket { client, .. })) => {
+            let output = ClientOutput(client.clone());
+            let (_, writer) = OutputQueue::spawn("hvc-out", Box::new(output), OUTPUT_QUEUE_BYTES)
+                .map_err(|e| refuse(e.to_string()))?;
+            Box::new(writer)
+        }
+        _ => {
+            return Err(refuse(
+                "the virtio console writes where --serial does, which must be stdio, a file \
+                 or a socket"
+                    .into(),
+            ))
+        }
+    };
+    virtio::console::Console::with_sink(sink, virtio::console::ConsoleInput::Port)
+        .map_err(|e| refuse(e.to_string()))
+}
+
 /// A running input thread; dropping it stops the thread, gives the terminal its settings
 /// back and removes the socket.
 pub struct RunningInput {
@@ -130,10 +171,11 @@ impl Drop for RunningInput {
 }
 
 impl SerialInput {
-    /// Starts feeding COM1 (`device`); Ctrl-A x on the terminal requests `exit`.
+    /// Starts feeding the console's device (`device`: COM1 or the virtio console); Ctrl-A x
+    /// on the terminal requests `exit`.
     pub fn start(
         self,
-        device: Arc<Mutex<SerialDevice>>,
+        device: Box<dyn InputTarget>,
         exit: Arc<ExitRequest>,
     ) -> Result<RunningInput> {
         let stop = Arc::new(Waker::new()?);

@@ -1,31 +1,63 @@
-//! Host input into the UART's receive FIFO, with backpressure: input that does not fit
-//! waits here (bounded) until the guest empties the FIFO; the reader stops reading its
-//! source while this buffer is full. Nothing typed is dropped, and a vCPU never waits.
+//! Host input into the console's device (the UART's receive FIFO, or the virtio console's
+//! input buffer), with backpressure: input that does not fit waits here (bounded) until the
+//! guest makes room; the reader stops reading its source while this buffer is full. Nothing
+//! typed is dropped, and a vCPU never waits.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use devices::exit::Waker;
 use devices::serial::SerialDevice;
+use virtio::console::ConsoleInputPort;
 
 /// Input held for the guest beyond the FIFO before the source is no longer read.
 pub const PENDING_CAP: usize = 4096;
 
-/// Feeds one UART.
+/// A device that takes console input.
+pub trait InputTarget: Send {
+    /// Takes what fits of `bytes` now and returns how much (raising the device's
+    /// interrupt); never waits for the guest.
+    fn offer(&self, bytes: &[u8]) -> usize;
+    /// `room` is woken whenever the guest makes room.
+    fn set_room_waker(&self, room: Arc<Waker>);
+}
+
+impl InputTarget for Arc<Mutex<SerialDevice>> {
+    fn offer(&self, bytes: &[u8]) -> usize {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .enqueue_raw_bytes(bytes)
+    }
+
+    fn set_room_waker(&self, room: Arc<Waker>) {
+        self.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_input_waker(room);
+    }
+}
+
+impl InputTarget for ConsoleInputPort {
+    fn offer(&self, bytes: &[u8]) -> usize {
+        ConsoleInputPort::offer(self, bytes)
+    }
+
+    fn set_room_waker(&self, room: Arc<Waker>) {
+        ConsoleInputPort::set_room_waker(self, room);
+    }
+}
+
+/// Feeds one console device.
 pub struct InputPump {
-    device: Arc<Mutex<SerialDevice>>,
+    device: Box<dyn InputTarget>,
     /// Woken by the UART when the guest empties its FIFO.
     room: Arc<Waker>,
     pending: VecDeque<u8>,
 }
 
 impl InputPump {
-    pub fn new(device: Arc<Mutex<SerialDevice>>) -> std::io::Result<Self> {
+    pub fn new(device: Box<dyn InputTarget>) -> std::io::Result<Self> {
         let room = Arc::new(Waker::new()?);
-        device
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .set_input_waker(room.clone());
+        device.set_room_waker(room.clone());
         Ok(InputPump {
             device,
             room,
@@ -62,11 +94,16 @@ impl InputPump {
         if self.pending.is_empty() {
             return;
         }
-        let mut device = self.device.lock().unwrap_or_else(|e| e.into_inner());
-        let (front, _) = self.pending.as_slices();
-        let taken = device.enqueue_raw_bytes(front);
-        drop(device);
-        self.pending.drain(..taken);
+        // The buffer may wrap: offer its two halves in turn while the device takes them.
+        while !self.pending.is_empty() {
+            let (front, _) = self.pending.as_slices();
+            let len = front.len();
+            let taken = self.device.offer(front);
+            self.pending.drain(..taken);
+            if taken < len {
+                break;
+            }
+        }
     }
 }
 
@@ -95,7 +132,7 @@ mod tests {
     #[test]
     fn input_beyond_the_fifo_waits_and_arrives_in_order() {
         let dev = uart();
-        let mut pump = InputPump::new(dev.clone()).unwrap();
+        let mut pump = InputPump::new(Box::new(dev.clone())).unwrap();
         let typed: Vec<u8> = (0..200u8).collect();
         pump.push(&typed);
         assert!(
@@ -116,7 +153,7 @@ mod tests {
     #[test]
     fn the_source_is_no_longer_read_when_the_buffer_is_full() {
         let dev = uart();
-        let mut pump = InputPump::new(dev).unwrap();
+        let mut pump = InputPump::new(Box::new(dev)).unwrap();
         pump.push(&vec![b'k'; FIFO_SIZE + PENDING_CAP]);
         assert!(!pump.accepts_more());
         assert!(pump.is_waiting());
