@@ -963,8 +963,8 @@ fn snapshot_with_requests_in_flight_restores_with_the_same_disk() {
         .set_len(2 * IMAGE_BYTES)
         .unwrap();
     restore(&["--disk", &disk(&bigger, ",queues=2")]).expect_error("not the same image");
-    restore(&["--disk", &disk(&image, ",queues=1")]).expect_error("disk 0 with queues=2");
-    restore(&["--disk", &disk(&image, ",queues=2,readonly")]).expect_error("disk 0 writable");
+    restore(&["--disk", &disk(&image, ",queues=1")]).expect_error("disk0 with queues=2");
+    restore(&["--disk", &disk(&image, ",queues=2,readonly")]).expect_error("disk0 writable");
 
     // No --disk: the disk comes back from the snapshot's record, at the image's path.
     let mut restored = Vm::start(

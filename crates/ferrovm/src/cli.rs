@@ -7,10 +7,12 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use hypervisor::AccelKind;
+
 use vmm::config::{
-    parse_boot_order, parse_console, parse_disk, parse_memory_size, parse_net, parse_serial,
-    parse_vsock, IrqChipKind, ShapeGiven, StartFrom, VmConfig, DEFAULT_FIRMWARE,
+    parse_boot_order, parse_memory_size, parse_serial, Devices, IrqChipKind, ShapeGiven, StartFrom,
+    VmConfig, DEFAULT_FIRMWARE,
 };
+use vmm::device_kinds::{parse_option, OptionShape, KINDS};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -60,7 +62,8 @@ pub struct RunArgs {
     /// the machine that migrates in.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "restore"])]
     pub firmware: Option<PathBuf>,
-    /// The firmware's boot order: `disk` (every --disk in order) or `diskN,...`.
+    /// The firmware's boot order: `disk` (every --disk in order) or disk ids, `diskN,...`
+    /// (the N-th --disk from 0, or the `id=NAME` it was given).
     #[arg(long, value_name = "disk|diskN,...", conflicts_with_all = ["kernel", "restore"])]
     pub boot: Option<String>,
     /// Kernel command line (it may begin with a dash).
@@ -90,33 +93,10 @@ pub struct RunArgs {
         default_value = "stdio"
     )]
     pub serial: String,
-    /// A virtio-blk disk on a raw image (file or block device); repeatable.
-    #[arg(
-        long,
-        value_name = "PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]"
-    )]
-    pub disk: Vec<String>,
-    /// `virtio`: add a virtio console (hvc0) that writes where --serial writes and takes
-    /// the console's input (the terminal or the socket client) instead of COM1.
-    #[arg(long, value_name = "virtio")]
-    pub console: Option<String>,
-    /// Add a virtio-rng device fed by the host's getrandom.
-    #[arg(long)]
-    pub rng: bool,
-    /// A virtio-vsock device: guest context id N (3 or more) and the Unix socket host
-    /// processes connect to (`CONNECT port`); guest connections to host port P go to
-    /// `PATH_P` (Firecracker's convention). Linux only.
-    #[arg(long, value_name = "cid=N,socket=PATH")]
-    pub vsock: Option<String>,
-    /// A virtio-net device on a tap interface (created if it does not exist); repeatable.
-    /// `iothreads=N`: host threads for its queue pairs (default: one per pair, no more than
-    /// the CPUs the vCPUs leave). `vhost=on`: the host kernel serves its queues
-    /// (/dev/vhost-net, KVM only).
-    #[arg(
-        long,
-        value_name = "tap=NAME[,mac=MAC][,queues=N][,iothreads=N][,vhost=on|off]"
-    )]
-    pub net: Vec<String>,
+    /// The devices: one option per registered kind (`--disk`, `--net`, `--vsock`,
+    /// `--console`, `--rng`...), see `vmm::device_kinds`.
+    #[command(flatten)]
+    pub devices: DeviceArgs,
     /// Serve the control API on this Unix socket.
     #[arg(long, value_name = "PATH")]
     pub api_socket: Option<PathBuf>,
@@ -149,6 +129,79 @@ pub struct RunArgs {
     pub seccomp: Option<SeccompArg>,
 }
 
+/// The options of the registered device kinds, each as its kind spells it (see
+/// `vmm::device_kinds::KINDS`): the values as given, by kind.
+#[derive(Debug, Default)]
+pub struct DeviceArgs {
+    values: Vec<(usize, Vec<String>)>,
+}
+
+impl DeviceArgs {
+    /// The devices, kind by kind in the registry's order (the order they take PCI slots),
+    /// in the order given within a kind.
+    fn parse(&self) -> anyhow::Result<Devices> {
+        let mut devices = Devices::default();
+        for (rank, values) in &self.values {
+            for value in values {
+                if let Some((id, config)) = parse_option(&KINDS[*rank], value)? {
+                    devices.add(id, config)?;
+                }
+            }
+        }
+        Ok(devices)
+    }
+}
+
+impl clap::FromArgMatches for DeviceArgs {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let mut args = DeviceArgs::default();
+        args.update_from_arg_matches(matches)?;
+        Ok(args)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        self.values.clear();
+        for (rank, kind) in KINDS.iter().enumerate() {
+            let values: Vec<String> = match kind.shape {
+                OptionShape::Flag if matches.get_flag(kind.name) => vec![String::new()],
+                OptionShape::Flag => Vec::new(),
+                _ => matches
+                    .get_many::<String>(kind.name)
+                    .map(|v| v.cloned().collect())
+                    .unwrap_or_default(),
+            };
+            self.values.push((rank, values));
+        }
+        Ok(())
+    }
+}
+
+impl clap::Args for DeviceArgs {
+    fn augment_args(command: clap::Command) -> clap::Command {
+        use clap::{Arg, ArgAction};
+        KINDS.iter().fold(command, |command, kind| {
+            let help = match kind.shape {
+                OptionShape::Flag => kind.help.to_string(),
+                OptionShape::Once => format!("{} (`,id=NAME` names it)", kind.help),
+                OptionShape::Repeated => {
+                    format!("{}; repeatable (`,id=NAME` names it)", kind.help)
+                }
+            };
+            let arg = Arg::new(kind.name).long(kind.name).help(help);
+            let arg = match kind.shape {
+                OptionShape::Flag => arg.action(ArgAction::SetTrue),
+                OptionShape::Once => arg.value_name(kind.syntax).action(ArgAction::Set),
+                OptionShape::Repeated => arg.value_name(kind.syntax).action(ArgAction::Append),
+            };
+            command.arg(arg)
+        })
+    }
+
+    fn augment_args_for_update(command: clap::Command) -> clap::Command {
+        Self::augment_args(command)
+    }
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum SeccompArg {
     Off,
@@ -158,27 +211,16 @@ pub enum SeccompArg {
 
 impl RunArgs {
     pub fn into_config(self) -> anyhow::Result<VmConfig> {
-        let nets: Vec<_> = self
-            .net
-            .iter()
-            .map(|n| parse_net(n))
-            .collect::<Result<_, _>>()?;
-        if !nets.is_empty() && !cfg!(target_os = "linux") {
-            bail!("--net: virtio-net needs a Linux tap device; not supported on this host");
-        }
         self.check_restore_options()?;
         let (restore_verify, restore_eager) = (self.restore_verify, self.restore_eager);
-        let disks: Vec<_> = self
-            .disk
-            .iter()
-            .map(|d| parse_disk(d))
-            .collect::<Result<_, _>>()?;
+        let devices = self.devices.parse()?;
+        let has_disk = !devices.disk_ids().is_empty();
         let mut firmware = self.firmware;
         let start = match (self.kernel, self.restore, self.incoming) {
             (Some(kernel), None, None) => StartFrom::Kernel(kernel),
             (None, Some(file), None) => StartFrom::Restore(file),
             (None, None, Some(addr)) => StartFrom::Incoming(vmm::parse_tcp(&addr, "--incoming")?),
-            (None, None, None) if firmware.is_some() || !disks.is_empty() => {
+            (None, None, None) if firmware.is_some() || has_disk => {
                 firmware.get_or_insert_with(|| PathBuf::from(DEFAULT_FIRMWARE));
                 StartFrom::Firmware
             }
@@ -189,7 +231,7 @@ impl RunArgs {
                  --incoming, or --api-socket alone to configure the VM through the API"
             ),
         };
-        let boot_order = parse_boot_order(self.boot.as_deref().unwrap_or("disk"), disks.len())?;
+        let boot_order = parse_boot_order(self.boot.as_deref().unwrap_or("disk"), &devices)?;
         let mut config = VmConfig::new(start);
         config.firmware = firmware;
         config.boot_order = boot_order;
@@ -223,13 +265,7 @@ impl RunArgs {
         config.restore_verify = restore_verify;
         config.restore_eager = restore_eager;
         config.restore_allow_changed_disks = self.restore_allow_changed_disks;
-        config.disks = disks;
-        if let Some(console) = &self.console {
-            config.console = parse_console(console)?;
-        }
-        config.rng = self.rng;
-        config.vsock = self.vsock.as_deref().map(parse_vsock).transpose()?;
-        config.nets = nets;
+        config.devices = devices;
         config.seccomp = match self.seccomp {
             Some(SeccompArg::Off) => sandbox::Mode::Off,
             Some(SeccompArg::Log) => sandbox::Mode::Log,

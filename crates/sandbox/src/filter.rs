@@ -11,11 +11,24 @@ use syscalls::Sysno;
 use crate::profile::{Allow, Profile};
 use crate::{Error, Mode, Role};
 
-/// The complete allow-list of `role`. The launcher's is the union of every role's: the
-/// threads it creates run under its filter until they install their own, and their own
-/// can only narrow it.
-pub(crate) fn role_profile(role: Role) -> Result<Profile, Error> {
-    let load = |role: Role| Profile::of(role).map_err(|reason| Error::Filter { role, reason });
+/// Profile lines a role gets beyond its file: what the VMM's device kinds declare they
+/// need (see [`crate::start_with`]).
+pub(crate) type Extra<'a> = &'a [(Role, &'a str)];
+
+/// The complete allow-list of `role`: its profile and its `extra` lines. The launcher's is
+/// the union of every role's: the threads it creates run under its filter until they
+/// install their own, and their own can only narrow it.
+pub(crate) fn role_profile(role: Role, extra: Extra) -> Result<Profile, Error> {
+    let load = |role: Role| {
+        let mut profile = Profile::of(role).map_err(|reason| Error::Filter { role, reason })?;
+        for (_, text) in extra.iter().filter(|(r, _)| *r == role) {
+            profile.add_text(text).map_err(|reason| Error::Filter {
+                role,
+                reason: format!("a device kind's needs: {reason}"),
+            })?;
+        }
+        Ok(profile)
+    };
     let mut profile = load(role)?;
     if role == Role::Launcher {
         for &other in Role::ALL {
@@ -26,11 +39,11 @@ pub(crate) fn role_profile(role: Role) -> Result<Profile, Error> {
 }
 
 /// Every role's filter for `mode` (not `Off`).
-pub(crate) fn compile_all(mode: Mode) -> Result<HashMap<Role, BpfProgram>, Error> {
+pub(crate) fn compile_all(mode: Mode, extra: Extra) -> Result<HashMap<Role, BpfProgram>, Error> {
     Role::ALL
         .iter()
         .map(|&role| {
-            let program = compile(&role_profile(role)?, mode)
+            let program = compile(&role_profile(role, extra)?, mode)
                 .map_err(|reason| Error::Filter { role, reason })?;
             Ok((role, program))
         })
@@ -103,7 +116,7 @@ mod tests {
     #[test]
     fn every_role_compiles_in_both_modes_within_the_kernel_limit() {
         for mode in [Mode::Kill, Mode::Log] {
-            let programs = compile_all(mode).unwrap();
+            let programs = compile_all(mode, &[]).unwrap();
             for (role, program) in &programs {
                 // BPF_MAXINSNS.
                 assert!(
@@ -117,9 +130,9 @@ mod tests {
 
     #[test]
     fn the_launcher_allows_what_every_role_allows() {
-        let launcher = role_profile(Role::Launcher).unwrap();
+        let launcher = role_profile(Role::Launcher, &[]).unwrap();
         for &role in Role::ALL {
-            for sysno in role_profile(role).unwrap().calls.keys() {
+            for sysno in role_profile(role, &[]).unwrap().calls.keys() {
                 assert!(launcher.allows(*sysno), "{role}: {sysno}");
             }
         }

@@ -168,13 +168,19 @@ pub enum Error {
 /// harmless system call (`getpgid(0)`) right after installing its filter, to test that
 /// forbidden calls are caught.
 pub fn start(mode: Mode) -> Result<(), Error> {
+    start_with(mode, &[])
+}
+
+/// [`start`], with lines added to roles' profiles (the syntax of `profiles/ROLE.txt`): what
+/// the VMM's device kinds need, each kind declaring its own.
+pub fn start_with(mode: Mode, extra: &[(Role, &str)]) -> Result<(), Error> {
     let selftest = match std::env::var("FERROVM_SECCOMP_SELFTEST") {
         Ok(name) if !name.is_empty() => {
             Some(name.parse::<Role>().map_err(|_| Error::SelfTest(name))?)
         }
         _ => None,
     };
-    thread::start(mode, selftest)
+    thread::start(mode, selftest, extra)
 }
 
 /// The mode in force (`Off` before [`start`]).

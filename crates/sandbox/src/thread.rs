@@ -26,11 +26,15 @@ pub(crate) fn mode() -> Mode {
 }
 
 #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
-pub(crate) fn start(mode: Mode, selftest: Option<Role>) -> Result<(), Error> {
+pub(crate) fn start(
+    mode: Mode,
+    selftest: Option<Role>,
+    extra: &[(Role, &str)],
+) -> Result<(), Error> {
     keep_malloc_heaps();
     let programs = match mode {
         Mode::Off => Programs::new(),
-        _ => crate::filter::compile_all(mode)?,
+        _ => crate::filter::compile_all(mode, extra)?,
     };
     if mode == Mode::Kill {
         crate::trap::install_reporter()
@@ -68,7 +72,11 @@ pub(crate) fn start(mode: Mode, selftest: Option<Role>) -> Result<(), Error> {
 }
 
 #[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
-pub(crate) fn start(mode: Mode, selftest: Option<Role>) -> Result<(), Error> {
+pub(crate) fn start(
+    mode: Mode,
+    selftest: Option<Role>,
+    _extra: &[(Role, &str)],
+) -> Result<(), Error> {
     if mode != Mode::Off {
         return Err(Error::Unsupported(mode.name()));
     }

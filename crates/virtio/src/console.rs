@@ -530,3 +530,43 @@ mod tests {
         assert_eq!(received, input);
     }
 }
+
+/// The virtio console as a device kind (`--console virtio`): it writes where the serial
+/// port does. Nothing to configure.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsoleConfig {}
+
+impl<M: GuestMemory + Send + Sync + 'static> crate::kind::DeviceKind<M> for ConsoleConfig {
+    const SYNTAX: &'static str = "virtio|serial";
+    const HELP: &'static str = "`virtio`: add a virtio console (hvc0) that writes where \
+        --serial writes and takes the console's input (the terminal or the socket client) \
+        instead of COM1";
+    const SHAPE: crate::kind::OptionShape = crate::kind::OptionShape::Once;
+
+    fn parse(text: &str) -> Result<Option<Self>, String> {
+        match text {
+            "virtio" => Ok(Some(ConsoleConfig {})),
+            "serial" => Ok(None),
+            _ => Err("expected virtio or serial".into()),
+        }
+    }
+
+    fn label(&self) -> String {
+        "virtio".into()
+    }
+
+    fn create(
+        &self,
+        ctx: &crate::kind::BuildContext<M>,
+    ) -> Result<Box<dyn VirtioDevice<M>>, String> {
+        let mut made = ctx.console.lock().unwrap_or_else(|e| e.into_inner());
+        let console = made
+            .take()
+            .ok_or("the machine made no console for the virtio console")?;
+        Ok(Box::new(console))
+    }
+
+    fn guest_difference(&self, _recorded: &Self) -> Option<String> {
+        None
+    }
+}

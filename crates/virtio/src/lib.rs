@@ -17,15 +17,23 @@ use devices::exit::Waker;
 use devices::{DeviceState, LifecycleError, StateError};
 use vm_memory::GuestMemory;
 
+pub mod balloon;
 pub mod block;
 pub mod console;
+pub mod kind;
 #[cfg(target_os = "linux")]
 pub mod net;
+/// `--net`'s configuration, read on every host.
+#[path = "net/config.rs"]
+pub mod net_config;
 pub mod rng;
 #[cfg(all(test, target_os = "linux"))]
 mod test_driver;
 #[cfg(target_os = "linux")]
 pub mod vsock;
+/// `--vsock`'s configuration, read on every host.
+#[path = "vsock/config.rs"]
+pub mod vsock_config;
 pub mod worker;
 
 pub use transport::{IoEventError, IoEventRegistrar, VirtioInterrupt, VirtioPciDevice};
@@ -37,6 +45,7 @@ pub mod device_type {
     pub const BLOCK: u32 = 2;
     pub const CONSOLE: u32 = 3;
     pub const RNG: u32 = 4;
+    pub const BALLOON: u32 = 5;
     pub const VSOCK: u32 = 19;
 }
 

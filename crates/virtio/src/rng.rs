@@ -216,3 +216,33 @@ mod tests {
         assert!(tail.iter().all(|&b| b == 0), "wrote past the bound");
     }
 }
+
+/// virtio-rng as a device kind (`--rng`). Nothing to configure.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngConfig {}
+
+impl<M: GuestMemory + Send + Sync + 'static> crate::kind::DeviceKind<M> for RngConfig {
+    const SYNTAX: &'static str = "";
+    const HELP: &'static str = "Add a virtio-rng device fed by the host's getrandom";
+    const SHAPE: crate::kind::OptionShape = crate::kind::OptionShape::Flag;
+    const SANDBOX: &'static str = "getrandom";
+
+    fn parse(_text: &str) -> Result<Option<Self>, String> {
+        Ok(Some(RngConfig {}))
+    }
+
+    fn label(&self) -> String {
+        "virtio-rng".into()
+    }
+
+    fn create(
+        &self,
+        _ctx: &crate::kind::BuildContext<M>,
+    ) -> Result<Box<dyn VirtioDevice<M>>, String> {
+        Ok(Box::new(Rng::new()))
+    }
+
+    fn guest_difference(&self, _recorded: &Self) -> Option<String> {
+        None
+    }
+}

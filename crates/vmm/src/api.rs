@@ -60,6 +60,8 @@ pub struct MachineInfo {
     pub vcpus: u32,
     pub memory: u64,
     pub irqchip: &'static str,
+    /// The machine's devices, for `GET /vm/config`.
+    pub devices: crate::config::Devices,
 }
 
 /// A reply: status, JSON body (none for 204), and the exit to request once it is written.

@@ -84,6 +84,9 @@ pub struct DeviceManager<'a> {
     serial_input: Option<ConsoleInput>,
     /// hvc0 (`--console virtio`), until it goes on the PCI bus.
     virtio_console: Option<virtio::console::Console>,
+    /// (PCI address, device id) of the listed devices: the ids states before format 4
+    /// saved them under.
+    former_ids: Vec<(String, String)>,
 }
 
 /// The device console input feeds, and where that input comes from.
@@ -132,6 +135,7 @@ impl<'a> DeviceManager<'a> {
             keyboard: None,
             serial_output: None,
             serial_input: None,
+            former_ids: Vec::new(),
             virtio_console: None,
         })
     }
@@ -172,7 +176,10 @@ impl<'a> DeviceManager<'a> {
         self.pc.push(com1.device.clone());
         self.serial_output = com1.output;
         let mut target: Box<dyn crate::console::InputTarget> = Box::new(com1.device);
-        if config.console == crate::config::ConsoleConfig::Virtio {
+        let virtio_console = config
+            .devices
+            .any(|d| matches!(d, crate::config::DeviceConfig::Console(_)));
+        if virtio_console {
             let hvc = crate::console::build_virtio_console(&config.serial, com1.input.as_ref())?;
             if let Some(port) = hvc.input_port() {
                 target = Box::new(port);
@@ -249,7 +256,11 @@ impl<'a> DeviceManager<'a> {
             };
             firmware::attach(fw, ctx.config, &machine)?;
         }
-        functions.extend(virtio);
+        for placed in virtio {
+            let address = format!("pci-00:{:02x}.0", placed.slot);
+            self.former_ids.push((address, placed.id));
+            functions.push(placed.function);
+        }
         Ok(functions)
     }
 
@@ -268,10 +279,14 @@ impl<'a> DeviceManager<'a> {
             wake: self.timer_wake,
             gate: Arc::default(),
         };
+        let mut list = platform.into_list(functions)?;
+        for (former, id) in self.former_ids {
+            list.add_former_id(former, id);
+        }
         Ok(MachineDevices {
             pio: Arc::new(IoDispatcher::new("pio", Arc::new(self.pio))),
             mmio: Arc::new(IoDispatcher::new("mmio", Arc::new(self.mmio))),
-            list: platform.into_list(functions)?,
+            list,
             timers,
             serial_output: self.serial_output,
             serial_input: self.serial_input,
@@ -372,7 +387,8 @@ mod tests {
         let mut config = VmConfig::new(StartFrom::Kernel("k".into()));
         config.irqchip = IrqChipKind::Split;
         config.serial = SerialOutput::None;
-        config.rng = true;
+        let rng = crate::config::DeviceConfig::Rng(Default::default());
+        config.devices.add(None, rng).unwrap();
         let vm: Arc<dyn Vm> = Arc::new(crate::irqchip::FakeVm::default());
         let caps = Capabilities {
             irqchip_split: true,
@@ -402,7 +418,7 @@ mod tests {
             "pit",
             "rtc",
             "pci-00:00.0",
-            "pci-00:01.0",
+            "rng0",
             "pci-bus",
             "irqchip",
         ];

@@ -37,7 +37,7 @@ use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddres
 use crate::config::{StartFrom, VmConfig};
 use crate::error::{Error, Result};
 use crate::memory::{self, GuestMemory};
-use crate::platform::PciHandles;
+use crate::platform::{PciHandles, PlacedDevice};
 use crate::state::SharedDevice;
 
 /// Smallest ROM accepted: one 64 KiB segment.
@@ -458,8 +458,8 @@ pub fn add_piix(pci: &PciHandles) -> Result<Vec<SharedDevice>> {
 pub struct MachineParts<'a> {
     pub pci: &'a PciHandles,
     pub fw_cfg: &'a Mutex<FwCfg>,
-    /// The virtio functions, the disks first and in `--disk` order.
-    pub virtio: &'a [SharedDevice],
+    /// The devices of the machine's list, where they sit on the bus.
+    pub virtio: &'a [PlacedDevice],
     /// The accelerator's own ACPI PM timer port, if it has one (bhyve).
     pub kernel_pm_timer: Option<u16>,
 }
@@ -469,20 +469,16 @@ pub struct MachineParts<'a> {
 /// the disks' PCI functions in `config.boot_order`, ACPI tables).
 pub fn attach(fw: &FirmwareMemory, config: &VmConfig, machine: &MachineParts) -> Result<()> {
     lock(&machine.pci.host_bridge).set_pam_listener(fw.shadow.clone());
-    let disk_ids: Vec<String> = machine
-        .virtio
-        .iter()
-        .take(config.disks.len())
-        .map(|f| lock(f).id())
-        .collect();
     let boot_paths = config
         .boot_order
         .iter()
-        .map(|&i| {
-            disk_ids
-                .get(i)
-                .and_then(|id| boot_path(id))
-                .ok_or_else(|| Error::Devices(format!("--boot: disk{i} is not on the PCI bus")))
+        .map(|id| {
+            machine
+                .virtio
+                .iter()
+                .find(|placed| placed.id == *id)
+                .map(|placed| boot_path(placed.slot, 0))
+                .ok_or_else(|| Error::Devices(format!("--boot: {id} is not on the PCI bus")))
         })
         .collect::<Result<Vec<_>>>()?;
     let pm_timer = machine.kernel_pm_timer.unwrap_or(boot::acpi::PM_TMR_BLK);
@@ -507,16 +503,13 @@ pub fn attach(fw: &FirmwareMemory, config: &VmConfig, machine: &MachineParts) ->
     Ok(())
 }
 
-/// The boot-order path SeaBIOS matches for the PCI function with lifecycle id
-/// `pci-00:SS.F` ("/pci@i0cf8/*@SS" for function 0, "/pci@i0cf8/*@SS,F" otherwise).
-fn boot_path(id: &str) -> Option<String> {
-    let (slot, function) = id.strip_prefix("pci-00:")?.split_once('.')?;
-    let slot = u8::from_str_radix(slot, 16).ok()?;
-    let function: u8 = function.parse().ok()?;
-    Some(match function {
+/// The boot-order path SeaBIOS matches for the PCI function at `slot`.`function` of bus 0
+/// ("/pci@i0cf8/*@SS" for function 0, "/pci@i0cf8/*@SS,F" otherwise).
+fn boot_path(slot: u8, function: u8) -> String {
+    match function {
         0 => format!("/pci@i0cf8/*@{slot:x}"),
         f => format!("/pci@i0cf8/*@{slot:x},{f:x}"),
-    })
+    }
 }
 
 fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -700,12 +693,9 @@ mod tests {
 
     #[test]
     fn boot_paths() {
-        assert_eq!(boot_path("pci-00:02.0").unwrap(), "/pci@i0cf8/*@2");
-        assert_eq!(boot_path("pci-00:1f.0").unwrap(), "/pci@i0cf8/*@1f");
-        assert_eq!(boot_path("pci-00:01.3").unwrap(), "/pci@i0cf8/*@1,3");
-        for bad in ["serial", "pci-00:xx.0", "pci-00:02", "pci-01:02.0"] {
-            assert!(boot_path(bad).is_none(), "{bad}");
-        }
+        assert_eq!(boot_path(2, 0), "/pci@i0cf8/*@2");
+        assert_eq!(boot_path(0x1f, 0), "/pci@i0cf8/*@1f");
+        assert_eq!(boot_path(1, 3), "/pci@i0cf8/*@1,3");
     }
 
     #[test]

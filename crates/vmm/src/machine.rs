@@ -54,7 +54,7 @@ pub fn run(config: VmConfig) -> Result<Outcome> {
     // Counted before any sandbox: the threads that migrate or build devices may not ask.
     crate::host_cpus();
     // First, so that every thread of the machine starts in its role's sandbox.
-    sandbox::start(config.seccomp)?;
+    sandbox::start_with(config.seccomp, &crate::device_kinds::sandbox_needs())?;
     if config.start == StartFrom::Api {
         return run_configured_by_api(config);
     }
@@ -291,7 +291,7 @@ fn shaped_by_snapshot(config: &VmConfig) -> Result<VmConfig> {
     };
     let saved = snapshot::peek_snapshot_config(path)?;
     check_shape_against_snapshot(&config, &saved)?;
-    crate::recorded::apply_to_restore(&mut config, saved.devices.as_ref())?;
+    crate::device_kinds::record::apply_to_restore(&mut config, saved.devices.as_ref())?;
     config.memory = saved.memory_size;
     config.memory_text = format!("{}", saved.memory_size);
     config.cpus = saved.vcpus;
@@ -352,7 +352,7 @@ fn recorded_config(
 ) -> migration::MigrationConfig {
     let irqchip = irqchip_name(config.irqchip);
     let mut recorded = snapshot::migration_config(config.memory, config.cpus, irqchip, regions);
-    recorded.devices = crate::recorded::DeviceRecord::value_of(config);
+    recorded.devices = crate::device_kinds::record::DeviceRecord::value_of(config);
     if let Some(rom) = rom {
         recorded
             .extra
@@ -367,6 +367,7 @@ fn api_setup(config: &VmConfig, attached: Option<Arc<Server>>) -> Result<Option<
         vcpus: config.cpus,
         memory: config.memory,
         irqchip: irqchip_name(config.irqchip),
+        devices: config.devices.clone(),
     };
     Ok(match (attached, &config.api_socket) {
         (Some(server), _) => Some(ApiSetup::Attached(server, info)),
@@ -496,7 +497,9 @@ impl Machine {
             irqchip,
             manual_protect: Default::default(),
             dirty_tracking: caps.dirty_log_bitmap,
-            vhost_net: config.nets.iter().any(|n| n.vhost),
+            vhost_net: config
+                .devices
+                .any(|d| matches!(d, crate::config::DeviceConfig::Net(n) if n.vhost)),
             restored: Default::default(),
             postcopy: Default::default(),
             guest_lost: Default::default(),

@@ -1,6 +1,7 @@
 //! The machine's devices as one platform: the legacy PC devices, the PCI bus with its host
-//! bridge and the virtio functions the user asked for, assembled into the one lifecycle
-//! list that snapshots and migration walk.
+//! bridge and the devices of the machine's list (each built by its kind, see
+//! `device_kinds`), assembled into the one lifecycle list that snapshots and migration
+//! walk.
 
 use std::sync::{Arc, Mutex};
 
@@ -8,12 +9,11 @@ use devices::irqchip::{IrqChip, IrqPin};
 use devices::{DeviceState, Lifecycle, LifecycleError, StateError};
 use hypervisor::{Capabilities, Vm};
 use pci::{HostBridge, IntxLine, IntxPin, PciBus};
-use virtio::block::{Block, BlockOptions, CacheMode};
 use virtio::console::Console;
-use virtio::rng::Rng;
+use virtio::kind::{BuildContext, Start};
 use virtio::{IoEventRegistrar, VirtioDevice, VirtioPciDevice};
 
-use crate::config::{DiskCache, DiskConfig, VmConfig};
+use crate::config::{StartFrom, VmConfig};
 use crate::error::{Error, Result};
 use crate::ioevents::VmIoEvents;
 use crate::memory::GuestMemory;
@@ -101,45 +101,56 @@ pub struct VirtioContext<'a> {
     pub pci: &'a PciHandles,
 }
 
-/// Creates the virtio functions `config` asks for (disks in order, then the console and
-/// the rng) and puts them on the PCI bus. Returns them for the lifecycle list.
+/// A device of the machine's list on the PCI bus.
+pub struct PlacedDevice {
+    /// Its device id, which is also its id in saved state.
+    pub id: String,
+    pub slot: u8,
+    pub function: SharedDevice,
+}
+
+/// Creates the devices `config` lists (each through its kind, `device_kinds`) and puts
+/// them on the PCI bus, in list order. Every device is made before any takes a slot.
+/// `console`: hvc0 as the machine's console made it (`--console virtio`).
 pub fn add_virtio_devices(
     config: &VmConfig,
     ctx: &VirtioContext,
     console: Option<Console>,
-) -> Result<Vec<SharedDevice>> {
+) -> Result<Vec<PlacedDevice>> {
     let kernel_paths = kernel_eventfds_wanted();
     let gsis = (kernel_paths && ctx.caps.irqfd).then(|| Arc::new(GsiAllocator::new(MAX_MSI_GSI)));
     let ioevents: Option<Arc<dyn IoEventRegistrar>> = (kernel_paths && ctx.caps.ioeventfd)
         .then(|| Arc::new(VmIoEvents { vm: ctx.vm.clone() }) as Arc<dyn IoEventRegistrar>);
-    let mut models: Vec<(&str, Box<dyn VirtioDevice<GuestMemory>>)> = Vec::new();
-    for disk in &config.disks {
-        models.push(("virtio-blk", Box::new(open_disk(disk, config)?)));
+    let build = BuildContext {
+        memory: ctx.memory,
+        start: match &config.start {
+            StartFrom::Incoming(_) => Start::Incoming,
+            StartFrom::Restore(_) => Start::Restore {
+                images_may_change: config.restore_allow_changed_disks,
+            },
+            _ => Start::Boot,
+        },
+        vcpus: config.cpus,
+        host_cpus: crate::host_cpus(),
+        kernel_queues: kernel_paths && ctx.caps.irqfd && ctx.caps.ioeventfd,
+        console: Mutex::new(console),
+    };
+    let mut models = Vec::new();
+    for entry in config.devices.iter() {
+        let model = entry
+            .config
+            .create(&build)
+            .map_err(|reason| Error::Option {
+                option: entry.config.kind().option,
+                value: entry.config.label(),
+                reason,
+            })?;
+        models.push((entry, model));
     }
-    if let Some(console) = console {
-        models.push(("virtio-console", Box::new(console)));
-    }
-    if config.rng {
-        models.push(("virtio-rng", Box::new(Rng::new())));
-    }
-    let kernel_queues = kernel_paths && ctx.caps.irqfd && ctx.caps.ioeventfd;
-    for net in &config.nets {
-        let threads = net.iothreads.unwrap_or_else(|| {
-            crate::config::default_net_threads(net.queues, config.cpus, crate::host_cpus())
-        });
-        models.push((
-            "virtio-net",
-            open_net(net, threads, ctx.memory, kernel_queues)?,
-        ));
-    }
-    if let Some(vsock) = &config.vsock {
-        models.push(("virtio-vsock", open_vsock(vsock)?));
-    }
-    let mut functions = Vec::new();
-    for (kind, model) in models {
-        functions.push(plug(ctx, kind, model, gsis.clone(), ioevents.clone())?);
-    }
-    Ok(functions)
+    models
+        .into_iter()
+        .map(|(entry, model)| plug(ctx, &entry.id, model, gsis.clone(), ioevents.clone()))
+        .collect()
 }
 
 /// `FERROVM_KERNEL_EVENTFDS=off` makes the devices take the paths of a kernel without
@@ -149,15 +160,15 @@ fn kernel_eventfds_wanted() -> bool {
     std::env::var("FERROVM_KERNEL_EVENTFDS").map_or(true, |v| v != "off")
 }
 
-/// Wraps one device model in the virtio-pci transport and adds it to the bus.
+/// Wraps one device model in the virtio-pci transport and adds it to the bus as `id`.
 fn plug(
     ctx: &VirtioContext,
-    kind: &str,
+    id: &str,
     model: Box<dyn VirtioDevice<GuestMemory>>,
     gsis: Option<Arc<GsiAllocator>>,
     ioevents: Option<Arc<dyn IoEventRegistrar>>,
-) -> Result<SharedDevice> {
-    let pci_err = |e: pci::PciError| Error::Devices(format!("{kind}: {e}"));
+) -> Result<PlacedDevice> {
+    let pci_err = |e: pci::PciError| Error::Devices(format!("{id}: {e}"));
     let slot = ctx
         .pci
         .bus
@@ -181,115 +192,16 @@ fn plug(
         gsis,
         vectors,
     ));
-    let id = format!("pci-00:{slot:02x}.0");
-    let function = VirtioPciDevice::new(id, model, ctx.memory.clone(), msi, intx, ioevents)
-        .map_err(|e| Error::Devices(format!("{kind}: {e}")))?;
+    let function = VirtioPciDevice::new(id.into(), model, ctx.memory.clone(), msi, intx, ioevents)
+        .map_err(|e| Error::Devices(format!("{id}: {e}")))?;
     let function = Arc::new(Mutex::new(function));
     ctx.pci
         .bus
         .add_device_at(slot, function.clone())
         .map_err(pci_err)?;
-    Ok(function)
-}
-
-/// Opens a `--disk` image of the machine `config` describes.
-fn open_disk(disk: &DiskConfig, config: &VmConfig) -> Result<Block> {
-    use crate::config::StartFrom;
-    // A migration destination takes the locks from its source at the hand-over.
-    let defer_lock = matches!(config.start, StartFrom::Incoming(_));
-    let expect_unchanged =
-        matches!(config.start, StartFrom::Restore(_)) && !config.restore_allow_changed_disks;
-    let options = BlockOptions {
-        path: disk.path.clone(),
-        readonly: disk.readonly,
-        serial: disk.serial.clone(),
-        cache: match disk.cache {
-            DiskCache::Writeback => CacheMode::Writeback,
-            DiskCache::None => CacheMode::None,
-        },
-        queues: disk.queues,
-        image: disk.image.clone(),
-        defer_lock,
-        expect_unchanged,
-    };
-    Block::new(options).map_err(|e| Error::Option {
-        option: "--disk",
-        value: disk.path.display().to_string(),
-        reason: e.what,
+    Ok(PlacedDevice {
+        id: id.into(),
+        slot,
+        function,
     })
-}
-
-/// `--vsock`: the device and its listening socket.
-#[cfg(target_os = "linux")]
-fn open_vsock(vsock: &crate::config::VsockConfig) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
-    let device =
-        virtio::vsock::Vsock::new(vsock.cid, vsock.socket.clone()).map_err(|e| Error::Option {
-            option: "--vsock",
-            value: format!("cid={},socket={}", vsock.cid, vsock.socket.display()),
-            reason: e.to_string(),
-        })?;
-    Ok(Box::new(device))
-}
-
-#[cfg(not(target_os = "linux"))]
-fn open_vsock(_vsock: &crate::config::VsockConfig) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
-    Err(Error::Option {
-        option: "--vsock",
-        value: String::new(),
-        reason: "virtio-vsock is supported on Linux only".into(),
-    })
-}
-
-/// `--net`: a virtio-net device on its tap (Linux only). `vhost=on` needs the kernel's
-/// irqfd and ioeventfd (`kernel_queues`) and `/dev/vhost-net`; without either it is refused.
-fn open_net(
-    net: &crate::config::NetConfig,
-    io_threads: u16,
-    memory: &Arc<GuestMemory>,
-    kernel_queues: bool,
-) -> Result<Box<dyn VirtioDevice<GuestMemory>>> {
-    let refuse = |reason: String| Error::Option {
-        option: "--net",
-        value: format!("tap={}", net.tap),
-        reason,
-    };
-    #[cfg(target_os = "linux")]
-    {
-        let mut mac = [0u8; 6];
-        match net.mac {
-            Some(given) => mac = given,
-            None => {
-                // Locally administered, unicast, QEMU's 52:54:00 prefix.
-                mac[..3].copy_from_slice(&[0x52, 0x54, 0x00]);
-                virtio::rng::fill_random(&mut mac[3..]).map_err(|e| refuse(e.to_string()))?;
-            }
-        }
-        let options = virtio::net::NetOptions {
-            tap: net.tap.clone(),
-            mac,
-            queue_pairs: net.queues,
-            io_threads,
-        };
-        if net.vhost && !kernel_queues {
-            return Err(refuse(
-                "vhost=on: vhost-net needs the accelerator's irqfd and ioeventfd \
-                 (KVM, with FERROVM_KERNEL_EVENTFDS not off); use vhost=off"
-                    .into(),
-            ));
-        }
-        let mut device = virtio::net::Net::new(options).map_err(|e| refuse(e.to_string()))?;
-        if net.vhost {
-            let taps = device.tap_files().map_err(|e| refuse(e.to_string()))?;
-            let kernel = virtio::net::vhost::open_kernel(memory.clone(), taps)
-                .map_err(|e| refuse(format!("vhost=on: {e}")))?;
-            device.use_kernel_path(Box::new(kernel));
-            log::info!("virtio-net {}: queues served by vhost-net", net.tap);
-        }
-        Ok(Box::new(device))
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = (memory, kernel_queues, io_threads);
-        Err(refuse("virtio-net needs a Linux tap device".into()))
-    }
 }

@@ -212,6 +212,7 @@ impl Core {
             clock: self.vm.clock()?,
             devices: self.devices.save()?,
             predates_pci: false,
+            pci_addressed: false,
             paused: false,
         })
     }

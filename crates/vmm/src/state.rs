@@ -16,9 +16,10 @@ use crate::error::{Error, Result};
 /// The layout of [`MachineState`] this build writes. Format 1 (no `format` field) is what
 /// builds before the device list wrote: one named field per device. Format 2 kept the
 /// in-kernel interrupt controllers apart (`kernel_irqchip`) and the split ones as the device
-/// `split_irqchip`; format 3 has both modes as the one device `irqchip`. 1 and 2 are still
-/// read.
-pub const STATE_FORMAT: u32 = 3;
+/// `split_irqchip`; format 3 has both modes as the one device `irqchip`; format 4 saves the
+/// machine's listed devices (virtio) under their device ids, not their PCI addresses
+/// (`pci-00:03.0`). 1 to 3 are still read.
+pub const STATE_FORMAT: u32 = 4;
 
 /// A device as the machine's list holds it.
 pub type SharedDevice = Arc<Mutex<dyn Lifecycle>>;
@@ -35,6 +36,8 @@ fn lock(device: &SharedDevice) -> MutexGuard<'_, dyn Lifecycle + 'static> {
 pub struct DeviceList {
     /// Each device with its id, read once when it was added (ids are stable).
     devices: Vec<(String, SharedDevice)>,
+    /// (former id, id): the ids states before format 4 saved devices under.
+    former_ids: Vec<(String, String)>,
 }
 
 impl DeviceList {
@@ -46,6 +49,25 @@ impl DeviceList {
         }
         self.devices.push((id, device));
         Ok(())
+    }
+
+    /// States before format 4 saved the device `id` as `former`.
+    pub fn add_former_id(&mut self, former: String, id: String) {
+        self.former_ids.push((former, id));
+    }
+
+    /// `states` with the former ids of this list's devices renamed to their ids.
+    fn with_current_ids(
+        &self,
+        states: &BTreeMap<String, DeviceState>,
+    ) -> BTreeMap<String, DeviceState> {
+        let mut states = states.clone();
+        for (former, id) in &self.former_ids {
+            if let Some(state) = states.remove(former) {
+                states.insert(id.clone(), state);
+            }
+        }
+        states
     }
 
     /// The devices' ids, in list order.
@@ -192,6 +214,10 @@ pub struct MachineState {
     /// bridge and bus stay as built.
     #[serde(skip)]
     pub predates_pci: bool,
+    /// Read from a state before format 4: devices of the machine's list are saved under
+    /// their PCI addresses.
+    #[serde(skip)]
+    pub pci_addressed: bool,
     /// The guest was paused when it was saved: a migration destination keeps it paused.
     #[serde(default)]
     pub paused: bool,
@@ -243,12 +269,19 @@ impl MachineState {
                 }
                 let mut state: MachineState = serde_json::from_value(value).map_err(malformed)?;
                 state.predates_pci = true;
+                state.pci_addressed = true;
                 state.merge_irqchip_state()?;
                 Ok(state)
             }
             Some(2) => {
                 let mut state: MachineState = serde_json::from_value(value).map_err(malformed)?;
+                state.pci_addressed = true;
                 state.merge_irqchip_state()?;
+                Ok(state)
+            }
+            Some(3) => {
+                let mut state: MachineState = serde_json::from_value(value).map_err(malformed)?;
+                state.pci_addressed = true;
                 Ok(state)
             }
             Some(n) if n == u64::from(STATE_FORMAT) => {
@@ -295,7 +328,11 @@ impl MachineState {
         } else {
             &[]
         };
-        devices.restore_keeping(&self.devices, keep)?;
+        if self.pci_addressed {
+            devices.restore_keeping(&devices.with_current_ids(&self.devices), keep)?;
+        } else {
+            devices.restore_keeping(&self.devices, keep)?;
+        }
         vm.set_clock(&self.clock)?;
         Ok(())
     }
@@ -442,15 +479,40 @@ mod tests {
         let again = MachineState::from_bytes(&state.to_bytes().unwrap()).unwrap();
         assert_eq!(again.devices, state.devices);
 
-        let mut v4 = serde_json::to_value(&state).unwrap();
-        v4["format"] = json!(4);
-        let err = MachineState::from_bytes(&serde_json::to_vec(&v4).unwrap())
+        let mut newer = serde_json::to_value(&state).unwrap();
+        newer["format"] = json!(STATE_FORMAT + 1);
+        let err = MachineState::from_bytes(&serde_json::to_vec(&newer).unwrap())
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("newer build") && err.contains("format 4"),
+            err.contains("newer build") && err.contains(&format!("format {}", STATE_FORMAT + 1)),
             "{err}"
         );
+    }
+
+    /// States before format 4 saved the listed devices under their PCI addresses: they are
+    /// restored into the devices of those addresses, now named by id.
+    #[test]
+    fn states_before_format_4_name_listed_devices_by_pci_address() {
+        let (serial, disk) = (counter("serial", 0), counter("disk0", 0));
+        let mut devices = list(&[&serial, &disk]);
+        devices.add_former_id("pci-00:03.0".into(), "disk0".into());
+        let v3 = json!({"format": 3, "vcpus": [], "clock": {"clock_ns": 5, "flags": 0},
+            "devices": {"serial": {"version": 1, "data": 4},
+                        "pci-00:03.0": {"version": 1, "data": 7}}});
+        let state = MachineState::from_bytes(&serde_json::to_vec(&v3).unwrap()).unwrap();
+        let vm = crate::irqchip::FakeVm::default();
+        // The fake has no clock: the devices are restored before it is asked.
+        let clock = state.restore_platform(&vm, &devices).unwrap_err();
+        assert!(clock.to_string().contains("not in the fake"), "{clock}");
+        assert_eq!(disk.lock().unwrap().value, 7);
+        assert_eq!(serial.lock().unwrap().value, 4);
+        // This format names them by id only.
+        let mut v4 = v3.clone();
+        v4["format"] = json!(4);
+        let state = MachineState::from_bytes(&serde_json::to_vec(&v4).unwrap()).unwrap();
+        let err = state.restore_platform(&vm, &devices).unwrap_err();
+        assert!(err.to_string().contains("pci-00:03.0"), "{err}");
     }
 
     /// Format 2 kept the in-kernel controllers in `kernel_irqchip`: they become the

@@ -11,6 +11,7 @@
 
 mod chain;
 mod image;
+mod kind;
 mod options;
 mod ordered;
 mod qcow2;

@@ -5,13 +5,16 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use serde::{Deserialize, Serialize};
+
 /// Longest serial GET_ID can return (VIRTIO_BLK_ID_BYTES).
 pub const MAX_SERIAL_LEN: usize = 20;
 /// Most request queues a block device offers.
 pub const MAX_QUEUES: u16 = 16;
 
 /// How the host caches the image.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum CacheMode {
     /// Through the host page cache; FLUSH makes writes durable.
     #[default]
@@ -41,7 +44,8 @@ impl FromStr for CacheMode {
 }
 
 /// The image format the user asked for.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ImageFormat {
     /// From the file's header: qcow2 if it has qcow2's magic, raw otherwise.
     #[default]
@@ -74,7 +78,8 @@ impl FromStr for ImageFormat {
 
 /// How the image file is read: its format and, for qcow2, the backing file to use instead
 /// of the one its header names.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct FormatOptions {
     pub format: ImageFormat,
     pub backing: Option<PathBuf>,
@@ -106,8 +111,10 @@ impl FormatOptions {
     }
 }
 
-/// A virtio-blk device's configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A virtio-blk device's configuration: `--disk`, a Firecracker drive, a snapshot's record
+/// of the disk (fields absent from a record take [`BlockOptions::default`]'s values).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct BlockOptions {
     /// The image: a regular file or a block device, raw or qcow2.
     pub path: PathBuf,
@@ -121,10 +128,18 @@ pub struct BlockOptions {
     pub queues: u16,
     /// Open the image without its lock, which [`crate::VirtioDevice::take_over`] takes later:
     /// a migration destination, whose source holds the lock until the hand-over.
+    #[serde(skip)]
     pub defer_lock: bool,
     /// Restoring a snapshot: refuse an image file whose [`super::ImageStamp`] differs from
     /// the one the snapshot recorded (the guest's memory would not match its disk).
+    #[serde(skip)]
     pub expect_unchanged: bool,
+}
+
+impl Default for BlockOptions {
+    fn default() -> Self {
+        BlockOptions::new("")
+    }
 }
 
 impl BlockOptions {
@@ -148,10 +163,9 @@ impl BlockOptions {
             return Err("disk: empty path".into());
         }
         if let Some(serial) = &self.serial {
-            if serial.len() > MAX_SERIAL_LEN {
+            if serial.len() > MAX_SERIAL_LEN || !serial.is_ascii() {
                 return Err(format!(
-                    "serial={serial}: {} bytes, at most {MAX_SERIAL_LEN}",
-                    serial.len()
+                    "serial must be ASCII and at most {MAX_SERIAL_LEN} bytes"
                 ));
             }
         }
@@ -167,7 +181,7 @@ impl BlockOptions {
 
     fn apply(&mut self, item: &str) -> Result<(), String> {
         match item.split_once('=') {
-            None if item == "readonly" => self.readonly = true,
+            None if item == "readonly" || item == "ro" => self.readonly = true,
             Some(("serial", value)) => self.serial = Some(value.to_string()),
             Some(("cache", value)) => self.cache = value.parse()?,
             Some(("queues", value)) => {
@@ -180,11 +194,7 @@ impl BlockOptions {
                     result?
                 }
             }
-            _ => {
-                return Err(format!(
-                    "disk option `{item}`: expected readonly, serial=S, cache=writeback|none, queues=N, format=raw|qcow2 or backing=PATH"
-                ))
-            }
+            _ => return Err(format!("unknown disk option {item:?}")),
         }
         Ok(())
     }
@@ -218,8 +228,13 @@ impl FromStr for BlockOptions {
     fn from_str(s: &str) -> Result<Self, String> {
         let mut items = s.split(',');
         let path = items.next().unwrap_or_default();
-        if let Some(key) = repeated_key(items.clone(), &[]) {
-            return Err(format!("disk option {key} is given twice"));
+        if path.is_empty() {
+            return Err(
+                "expected PATH[,readonly][,serial=S][,cache=writeback|none][,queues=N]".into(),
+            );
+        }
+        if let Some(key) = repeated_key(items.clone(), &[("ro", "readonly")]) {
+            return Err(format!("{key} is given twice"));
         }
         let mut options = BlockOptions::new(path);
         for item in items {

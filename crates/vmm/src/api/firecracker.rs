@@ -13,10 +13,11 @@ use std::sync::mpsc;
 
 use super::types::*;
 use super::{MachineInfo, Reply, Request};
-use crate::config::{
-    DiskCache, DiskConfig, NetConfig, StartFrom, VmConfig, VsockConfig, DISK_SERIAL_MAX, MIB,
-};
+use crate::config::{DeviceConfig, DeviceEntry, Devices, StartFrom, VmConfig, MIB};
 use crate::error::Result;
+use virtio::block::{BlockOptions, CacheMode, MAX_SERIAL_LEN};
+use virtio::net_config::{format_mac, parse_mac, NetConfig};
+use virtio::vsock_config::{vsock_cid_refusal, VsockConfig};
 
 /// A configuration for the main thread to build and start.
 pub struct StartRequest {
@@ -46,9 +47,10 @@ pub struct PreBoot {
     base: VmConfig,
     machine: FcMachineConfig,
     boot: Option<FcBootSource>,
-    drives: Vec<FcDrive>,
-    nets: Vec<FcNetworkInterface>,
-    vsock: Option<FcVsock>,
+    /// Drives, network interfaces and vsock as they were put, under their ids.
+    devices: Devices,
+    /// The drive put with `is_root_device`.
+    root_drive: Option<String>,
     /// A start was asked for and is in progress.
     pub(super) starting: bool,
     start: mpsc::Sender<StartRequest>,
@@ -79,13 +81,54 @@ pub fn machine_config_of(info: &MachineInfo) -> FcMachineConfig {
 
 /// `GET /vm/config` of a machine not configured through these endpoints.
 pub fn full_config_of(info: &MachineInfo) -> FcFullConfig {
-    FcFullConfig {
-        boot_source: None,
-        machine_config: machine_config_of(info),
+    fc_config(None, machine_config_of(info), &info.devices, None)
+}
+
+/// Firecracker's view of a configuration: the devices of the kinds it has (drives, network
+/// interfaces, vsock), from the machine's device list.
+fn fc_config(
+    boot_source: Option<FcBootSource>,
+    machine_config: FcMachineConfig,
+    devices: &Devices,
+    root_drive: Option<&str>,
+) -> FcFullConfig {
+    let mut config = FcFullConfig {
+        boot_source,
+        machine_config,
         drives: Vec::new(),
         network_interfaces: Vec::new(),
         vsock: None,
+    };
+    for entry in devices.iter() {
+        match &entry.config {
+            DeviceConfig::Disk(disk) => config.drives.push(FcDrive {
+                drive_id: entry.id.clone(),
+                path_on_host: disk.path.display().to_string(),
+                is_root_device: root_drive == Some(entry.id.as_str()),
+                is_read_only: disk.readonly,
+                partuuid: None,
+                cache_type: (disk.cache == CacheMode::Writeback).then(|| "Writeback".into()),
+                io_engine: None,
+                rate_limiter: None,
+            }),
+            DeviceConfig::Net(net) => config.network_interfaces.push(FcNetworkInterface {
+                iface_id: entry.id.clone(),
+                host_dev_name: net.tap.clone(),
+                guest_mac: net.mac.as_ref().map(format_mac),
+                rx_rate_limiter: None,
+                tx_rate_limiter: None,
+            }),
+            DeviceConfig::Vsock(vsock) => {
+                config.vsock = Some(FcVsock {
+                    guest_cid: u32::try_from(vsock.cid).unwrap_or(u32::MAX),
+                    uds_path: vsock.socket.display().to_string(),
+                    vsock_id: None,
+                })
+            }
+            _ => {}
+        }
     }
+    config
 }
 
 /// `PUT /snapshot/create`: `write` writes ferrovm's snapshot at the path it is given (and
@@ -131,21 +174,46 @@ impl PreBoot {
             },
             base,
             boot: None,
-            drives: Vec::new(),
-            nets: Vec::new(),
-            vsock: None,
+            devices: Devices::default(),
+            root_drive: None,
             starting: false,
             start,
         }
     }
 
     fn full_config(&self) -> FcFullConfig {
-        FcFullConfig {
-            boot_source: self.boot.clone(),
-            machine_config: self.machine.clone(),
-            drives: self.drives.clone(),
-            network_interfaces: self.nets.clone(),
-            vsock: self.vsock.clone(),
+        fc_config(
+            self.boot.clone(),
+            self.machine.clone(),
+            &self.ordered_devices(),
+            self.root_drive.as_deref(),
+        )
+    }
+
+    /// The devices as the machine gets them: the root drive first (as /dev/vda), then by
+    /// kind.
+    fn ordered_devices(&self) -> Devices {
+        let mut devices = self.devices.clone();
+        devices
+            .0
+            .sort_by_key(|d| Some(d.id.as_str()) != self.root_drive.as_deref());
+        devices.sort_by_kind();
+        devices
+    }
+
+    /// Puts `config` under `id`, replacing the device of that id (which must be of the
+    /// same kind).
+    fn put_device(&mut self, id: String, config: DeviceConfig) -> Reply {
+        if let Some(slot) = self.devices.0.iter_mut().find(|d| d.id == id) {
+            if slot.config.kind().name != config.kind().name {
+                return bad(format!("{id}: another kind of device has this id"));
+            }
+            slot.config = config;
+            return Reply::no_content();
+        }
+        match self.devices.add(Some(id), config) {
+            Ok(_) => Reply::no_content(),
+            Err(e) => bad(e.to_string()),
         }
     }
 
@@ -252,47 +320,57 @@ impl PreBoot {
         }
         if d.is_root_device
             && self
-                .drives
-                .iter()
-                .any(|x| x.is_root_device && x.drive_id != id)
+                .root_drive
+                .as_ref()
+                .is_some_and(|root| *root != d.drive_id)
         {
             return bad("is_root_device: another drive is the root device");
         }
-        match self.drives.iter_mut().find(|x| x.drive_id == id) {
-            Some(slot) => *slot = d,
-            None => self.drives.push(d),
+        if d.is_root_device {
+            self.root_drive = Some(d.drive_id.clone());
+        } else if self.root_drive.as_ref() == Some(&id) {
+            self.root_drive = None;
         }
-        Reply::no_content()
+        self.put_device(id, DeviceConfig::Disk(disk_of(&d)))
     }
 
     fn set_vsock(&mut self, v: FcVsock) -> Reply {
-        if let Some(why) = crate::config::vsock_cid_refusal(u64::from(v.guest_cid)) {
+        if let Some(why) = vsock_cid_refusal(u64::from(v.guest_cid)) {
             return bad(format!("guest_cid: {why}"));
         }
         if v.uds_path.is_empty() {
             return bad("uds_path: empty");
         }
-        self.vsock = Some(v);
-        Reply::no_content()
+        let vsock = VsockConfig {
+            cid: u64::from(v.guest_cid),
+            socket: PathBuf::from(&v.uds_path),
+        };
+        // One vsock device: a second PUT replaces it.
+        let id = self
+            .devices
+            .iter()
+            .find(|d| matches!(d.config, DeviceConfig::Vsock(_)))
+            .map_or_else(|| "vsock0".to_string(), |d| d.id.clone());
+        self.put_device(id, DeviceConfig::Vsock(vsock))
     }
 
     fn set_net(&mut self, id: String, n: FcNetworkInterface) -> Reply {
         if n.rx_rate_limiter.is_some() || n.tx_rate_limiter.is_some() {
             return bad("rx_rate_limiter, tx_rate_limiter: not supported");
         }
+        let mut net = NetConfig::on_tap(&n.host_dev_name);
         if let Some(mac) = &n.guest_mac {
-            if crate::config::parse_mac(mac).is_none() {
-                return bad(format!(
-                    "guest_mac {mac:?}: expected six hex bytes, aa:bb:cc:dd:ee:ff, a unicast \
-                     address, not all zeroes"
-                ));
+            match parse_mac(mac) {
+                Some(mac) => net.mac = Some(mac),
+                None => {
+                    return bad(format!(
+                        "guest_mac {mac:?}: expected six hex bytes, aa:bb:cc:dd:ee:ff, a \
+                         unicast address, not all zeroes"
+                    ))
+                }
             }
         }
-        match self.nets.iter_mut().find(|x| x.iface_id == id) {
-            Some(slot) => *slot = n,
-            None => self.nets.push(n),
-        }
-        Reply::no_content()
+        self.put_device(id, DeviceConfig::Net(net))
     }
 
     /// The machine `InstanceStart` boots.
@@ -310,37 +388,19 @@ impl PreBoot {
         config.shape_given.cpus = true;
         config.shape_given.memory = true;
         // The root device first, as /dev/vda, named on the command line as Firecracker does.
-        let mut drives = self.drives.clone();
-        drives.sort_by_key(|d| !d.is_root_device);
         let mut cmdline = boot.boot_args.clone().unwrap_or_default();
-        if let Some(root) = drives.first().filter(|d| d.is_root_device) {
-            let mode = if root.is_read_only { "ro" } else { "rw" };
+        let root = self.root_drive.as_ref().and_then(|id| self.devices.get(id));
+        if let Some(DeviceEntry {
+            config: DeviceConfig::Disk(root),
+            ..
+        }) = root
+        {
+            let mode = if root.readonly { "ro" } else { "rw" };
             cmdline = format!("{cmdline} root=/dev/vda {mode}").trim().to_string();
         }
         config.cmdline = cmdline;
-        config.disks = drives.iter().map(disk_of).collect();
-        self.devices_into(&mut config)?;
+        config.devices = self.ordered_devices();
         Ok(config)
-    }
-
-    /// Network interfaces and vsock onto the config (their fields were checked when put).
-    fn devices_into(&self, config: &mut VmConfig) -> std::result::Result<(), Reply> {
-        config.nets = self
-            .nets
-            .iter()
-            .map(|n| NetConfig {
-                tap: n.host_dev_name.clone(),
-                mac: n.guest_mac.as_deref().and_then(crate::config::parse_mac),
-                queues: 1,
-                vhost: false,
-                iothreads: None,
-            })
-            .collect();
-        config.vsock = self.vsock.as_ref().map(|v| VsockConfig {
-            cid: u64::from(v.guest_cid),
-            socket: PathBuf::from(&v.uds_path),
-        });
-        Ok(())
     }
 
     fn load(&mut self, l: FcSnapshotLoad) -> PreBootReply {
@@ -367,12 +427,8 @@ impl PreBoot {
         config.start_paused = !l.resume_vm;
         // Devices put before the load are checked against the snapshot's recorded ones;
         // with none, the snapshot's are rebuilt (docs/api.md).
-        // In the order InstanceStart gives them: the root device first.
-        let mut drives = self.drives.clone();
-        drives.sort_by_key(|d| !d.is_root_device);
-        config.disks = drives.iter().map(disk_of).collect();
-        let config = self.devices_into(&mut config).map(|()| config);
-        self.start_with(config, mem.map(|m| (state, PathBuf::from(m))))
+        config.devices = self.ordered_devices();
+        self.start_with(Ok(config), mem.map(|m| (state, PathBuf::from(m))))
     }
 
     fn restore(&mut self, r: RestoreRequest) -> PreBootReply {
@@ -397,9 +453,8 @@ impl PreBoot {
         config.cpus = self.machine.vcpu_count;
         config.memory = self.machine.mem_size_mib * MIB;
         config.memory_text = format!("{}M", self.machine.mem_size_mib);
-        config.disks = self.drives.iter().map(disk_of).collect();
-        let config = self.devices_into(&mut config).map(|()| config);
-        self.start_with(config, None)
+        config.devices = self.ordered_devices();
+        self.start_with(Ok(config), None)
     }
 
     fn start_with(
@@ -424,16 +479,13 @@ impl PreBoot {
     }
 }
 
-fn disk_of(d: &FcDrive) -> DiskConfig {
+fn disk_of(d: &FcDrive) -> BlockOptions {
     // Firecracker answers GET_ID with the drive's id.
     let mut serial = d.drive_id.clone();
-    serial.truncate(DISK_SERIAL_MAX);
-    DiskConfig {
-        path: PathBuf::from(&d.path_on_host),
+    serial.truncate(MAX_SERIAL_LEN);
+    BlockOptions {
         readonly: d.is_read_only,
         serial: Some(serial),
-        cache: DiskCache::Writeback,
-        queues: 1,
-        image: Default::default(),
+        ..BlockOptions::new(&d.path_on_host)
     }
 }
