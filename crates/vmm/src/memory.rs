@@ -1,7 +1,8 @@
-//! Guest RAM: anonymous, not reserved up front, advised for transparent huge pages, wired
-//! only on request.
+//! Guest RAM: anonymous (or a shared file, `--memory-backend`), not reserved up front,
+//! advised for transparent huge pages, wired only on request.
 
 mod anon;
+mod backend;
 
 use std::sync::Arc;
 
@@ -14,6 +15,7 @@ use crate::config::MIB;
 use crate::error::{Error, Result};
 
 pub use anon::AnonRegion;
+pub use backend::{check_handed_over, shared_ram_of, MemoryBackend, SharedRam, SharedRegion};
 
 /// One region of guest RAM: vm-memory's mmap region on Linux; elsewhere [`AnonRegion`], as
 /// vm-memory's mmap backend builds on Linux only.
@@ -108,13 +110,42 @@ pub fn validate_size(size: u64, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// Maps guest RAM for `size` bytes following the platform layout (RAM split around the
-/// 32-bit MMIO hole).
+/// Maps anonymous guest RAM for `size` bytes following the platform layout (RAM split
+/// around the 32-bit MMIO hole).
 pub fn create_guest_memory(size: u64, wired: bool) -> Result<GuestMemory> {
+    create_guest_memory_from(size, wired, RamSource::New(&MemoryBackend::Anon))
+}
+
+/// What guest RAM is made of.
+pub enum RamSource<'a> {
+    /// Fresh, zeroed memory of this backend.
+    New(&'a MemoryBackend),
+    /// The RAM of a running guest, handed over by a local update (checked already).
+    HandedOver(SharedRam),
+}
+
+/// Maps guest RAM for `size` bytes following the platform layout, from `source`.
+pub fn create_guest_memory_from(size: u64, wired: bool, source: RamSource) -> Result<GuestMemory> {
+    let shared = match source {
+        RamSource::New(MemoryBackend::Anon) => None,
+        RamSource::New(backend) => Some(SharedRam {
+            file: backend::create_file(backend, size)?,
+            regions: backend::layout_for(size),
+        }),
+        RamSource::HandedOver(ram) => Some(ram),
+    };
     let mut regions = Vec::new();
-    for (base, len) in boot::layout::ram_regions(size) {
+    for (i, (base, len)) in boot::layout::ram_regions(size).into_iter().enumerate() {
         let len = usize::try_from(len).map_err(|_| Error::Memory("region too large".into()))?;
-        let region = map_region(base, len)?;
+        let region = match &shared {
+            Some(ram) => {
+                let place = ram.regions.get(i).ok_or_else(|| {
+                    Error::Memory("the shared guest RAM file lacks a region".into())
+                })?;
+                backend::map_shared_region(&ram.file, place)?
+            }
+            None => map_region(base, len)?,
+        };
         let host_addr = region
             .get_host_address(MemoryRegionAddress(0))
             .map_err(|e| Error::Memory(e.to_string()))?;

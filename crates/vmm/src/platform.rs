@@ -192,7 +192,10 @@ fn plug(
 fn open_disk(disk: &DiskConfig, config: &VmConfig) -> Result<Block> {
     use crate::config::StartFrom;
     // A migration destination takes the locks from its source at the hand-over.
-    let defer_lock = matches!(config.start, StartFrom::Incoming(_));
+    let defer_lock = matches!(
+        config.start,
+        StartFrom::Incoming(_) | StartFrom::IncomingLocal(_)
+    );
     let expect_unchanged =
         matches!(config.start, StartFrom::Restore(_)) && !config.restore_allow_changed_disks;
     let options = BlockOptions {
