@@ -473,8 +473,14 @@ impl Machine {
         let rom = firmware::rom_for(config)?;
         memory::validate_size(config.memory, &config.memory_text)?;
         let mut inputs = BootInputs::open(config)?;
-        // Bound before a local update's wait: the socket's file tells it is waiting.
-        let api = api_setup(config, attached)?;
+        // A local update's destination binds the API socket before it waits for its source
+        // (the file tells it is there); any other machine once it is built, as clients take
+        // the file for readiness.
+        let mut attached = attached;
+        let early_api = match inputs.local {
+            Some(_) => Some(api_setup(config, attached.take())?),
+            None => None,
+        };
         let (hv, caps) = open_hypervisor(config)?;
         // A local update: the source's guest RAM, once a source connects.
         let (local, source) = match &inputs.local {
@@ -543,7 +549,10 @@ impl Machine {
             vcpus: create_vcpus(hv.as_ref(), &vm, config, entry.as_ref(), &caps)?,
             context,
             timers: Some(devices.timers),
-            api,
+            api: match early_api {
+                Some(api) => api,
+                None => api_setup(config, attached)?,
+            },
             restore_paused: config.start_paused,
             start: start_of(config, inputs.incoming, local),
             _local_listener: inputs.local,
