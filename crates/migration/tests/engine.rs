@@ -1117,3 +1117,82 @@ fn repeated_pages_go_as_markers_and_follow_their_source_page() {
     // page 1 with data and 98 markers, where the stream without markers sends only page 0.
     assert!(sizes[0] + 99 * 3900 < sizes[1], "{sizes:?}");
 }
+
+fn shared_ram() -> MigrationParams {
+    MigrationParams {
+        shared_ram: true,
+        ..Default::default()
+    }
+}
+
+/// Over shared guest RAM (a local update) no page is sent: the stream is the configuration,
+/// the state and `End`, and the destination reads it without touching its memory.
+#[test]
+fn shared_ram_sends_the_state_only() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let replies = Replies::Script(vec![Frame::Ready, Frame::Handover, Frame::Ack]);
+    let o = run(&s, &mut d, &mut v, &shared_ram(), replies);
+    let rep = o.report.unwrap();
+    assert!(rep.rounds.is_empty());
+    assert_eq!((rep.pages_total, rep.zero_pages_total), (0, 0));
+    assert_eq!(rep.residency_method, ResidencyMethod::Shared);
+    let sh = s.borrow();
+    assert_eq!((sh.pauses, sh.resumes, sh.handovers.as_str()), (1, 0, "h"));
+    assert!(!sh.tracking, "no dirty tracking over shared RAM");
+    let got = receive_shared_ram(&o.stream[..], Vec::new(), &config_of(&sh.mem)).unwrap();
+    assert_eq!(got.state, b"cpu state");
+    assert_eq!(got.report.pages_total, 0);
+    // A page-copying receiver refuses such a stream rather than run a guest without RAM.
+    let err = receive(&ram(), &o.stream[..], Vec::new(), &config_of(&sh.mem))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("before the final round"), "{err}");
+}
+
+/// A destination gone before `Handover` changed nothing in the shared RAM: the source
+/// resumes. Gone after it, the outcome is unknown and the source stays paused.
+#[test]
+fn shared_ram_destination_lost_before_or_after_handover() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let e = run(
+        &s,
+        &mut d,
+        &mut v,
+        &shared_ram(),
+        Replies::Script(vec![Frame::Ready]),
+    )
+    .report
+    .unwrap_err();
+    assert!(!e.outcome_unknown(), "{e}");
+    assert!(
+        e.to_string().contains("before taking the guest over"),
+        "{e}"
+    );
+    assert_eq!((s.borrow().pauses, s.borrow().resumes), (1, 1));
+
+    let (s, mut d, mut v) = source(|_| 10);
+    let replies = Replies::Script(vec![Frame::Ready, Frame::Handover]);
+    let e = run(&s, &mut d, &mut v, &shared_ram(), replies)
+        .report
+        .unwrap_err();
+    assert!(e.outcome_unknown(), "{e}");
+    assert_eq!((s.borrow().pauses, s.borrow().resumes), (1, 0));
+}
+
+/// A source that sends pages on a shared-RAM stream is refused by the destination.
+#[test]
+fn shared_ram_receiver_refuses_pages() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let o = run(
+        &s,
+        &mut d,
+        &mut v,
+        &MigrationParams::default(),
+        Replies::Auto,
+    );
+    o.report.unwrap();
+    let err = receive_shared_ram(&o.stream[..], Vec::new(), &config_of(&s.borrow().mem))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("pages"), "{err}");
+}
