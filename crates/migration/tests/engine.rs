@@ -274,6 +274,11 @@ fn run(
     }
 }
 
+/// [`run`] with the default parameters and a destination that answers like a real one.
+fn run_with_defaults(s: &S, d: &mut FakeDirty, v: &mut FakeVm) -> Outcome {
+    run(s, d, v, &MigrationParams::default(), Replies::Auto)
+}
+
 /// Receives `stream` into fresh RAM and checks it equals the source's.
 fn check_destination(s: &S, stream: &[u8]) -> IncomingReport {
     let src = s.borrow().mem.clone();
@@ -297,13 +302,7 @@ fn check_destination(s: &S, stream: &[u8]) -> IncomingReport {
 #[test]
 fn converges_when_the_dirty_set_is_small() {
     let (s, mut d, mut v) = source(|_| 10);
-    let o = run(
-        &s,
-        &mut d,
-        &mut v,
-        &MigrationParams::default(),
-        Replies::Auto,
-    );
+    let o = run_with_defaults(&s, &mut d, &mut v);
     let rep = o.report.unwrap();
     assert!(rep.converged);
     assert_eq!(rep.stop_reason, StopReason::Converged);
@@ -635,13 +634,7 @@ fn a_dirty_log_failure_after_pause_resumes_the_source() {
     let (s, mut d, mut v) = source(|_| 10);
     // take 1: after round 0; take 2: the final one, after the pause.
     s.borrow_mut().fail_take_at = Some(2);
-    let o = run(
-        &s,
-        &mut d,
-        &mut v,
-        &MigrationParams::default(),
-        Replies::Auto,
-    );
+    let o = run_with_defaults(&s, &mut d, &mut v);
     assert!(o.report.unwrap_err().to_string().contains("EFAULT"));
     let sh = s.borrow();
     assert_eq!((sh.pauses, sh.resumes, sh.stops), (1, 1, 1));
@@ -1183,13 +1176,7 @@ fn shared_ram_destination_lost_before_or_after_handover() {
 #[test]
 fn shared_ram_receiver_refuses_pages() {
     let (s, mut d, mut v) = source(|_| 10);
-    let o = run(
-        &s,
-        &mut d,
-        &mut v,
-        &MigrationParams::default(),
-        Replies::Auto,
-    );
+    let o = run_with_defaults(&s, &mut d, &mut v);
     o.report.unwrap();
     let err = receive_shared_ram(&o.stream[..], Vec::new(), &config_of(&s.borrow().mem))
         .err()
