@@ -742,7 +742,8 @@ def bench_localupdate(cfg):
     import localupdate  # imports this module: loaded only when the section runs
     results = localupdate.run(cfg["localupdate_sizes"], ["ferrovm", "qemu"],
                               cfg["localupdate_runs"])
-    return {"results": results, "sizes": cfg["localupdate_sizes"]}
+    return {"results": results, "sizes": cfg["localupdate_sizes"],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def config(quick):
@@ -755,7 +756,7 @@ def config(quick):
         "blk_rounds": 6, "blk_ms": 1000, "blk_mib": 256, "blk_seq_bs": 262144, "blk_seq_qd": 4,
         "blk_image_gib": 1, "blk_wait": "hlt", "blk_two_queues": True,
         "firmware_rounds": 5,
-        "localupdate_runs": 3, "localupdate_sizes": [1, 4, 8],
+        "localupdate_runs": 2, "localupdate_sizes": [1, 4, 8],
         "migration_cases": (
             [{"link": "loopback", "guest": "migrate-idle", "gib": g, "runs": 5} for g in (1, 2, 4, 8)]
             + [{"link": "loopback", "guest": "migrate-dirty", "gib": 2, "mib": 256, "runs": 2}]
