@@ -272,6 +272,59 @@ mod tests {
     }
 
     #[test]
+    fn memfd_ram_is_seen_by_a_second_mapping_of_its_file() {
+        use vm_memory::Bytes;
+        let size = 8 << 30;
+        let first =
+            create_guest_memory_from(size, false, RamSource::New(&MemoryBackend::Memfd)).unwrap();
+        first.write_obj(0x5eed_u64, GuestAddress(0x1000)).unwrap();
+        first.write_obj(0xf00d_u64, GuestAddress(5 << 30)).unwrap();
+        let shared = shared_ram_of(&first).unwrap();
+        assert_eq!(shared.regions.len(), 2);
+        assert_eq!(shared.regions[1].offset, shared.regions[0].size);
+        check_handed_over(&shared, size).unwrap();
+        let err = check_handed_over(&shared, size / 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("give the same --memory"), "{err}");
+        // What a local update's destination maps: the same pages.
+        let second = create_guest_memory_from(size, false, RamSource::HandedOver(shared)).unwrap();
+        assert_eq!(
+            second.read_obj::<u64>(GuestAddress(0x1000)).unwrap(),
+            0x5eed
+        );
+        assert_eq!(
+            second.read_obj::<u64>(GuestAddress(5 << 30)).unwrap(),
+            0xf00d
+        );
+        second.write_obj(7_u64, GuestAddress(0x2000)).unwrap();
+        assert_eq!(first.read_obj::<u64>(GuestAddress(0x2000)).unwrap(), 7);
+        // Anonymous RAM has no file to hand over.
+        assert!(shared_ram_of(&create_guest_memory(16 << 20, false).unwrap()).is_none());
+    }
+
+    #[test]
+    fn backends_parse_and_a_file_holding_data_is_refused() {
+        assert_eq!(MemoryBackend::parse("anon").unwrap(), MemoryBackend::Anon);
+        assert_eq!(MemoryBackend::parse("memfd").unwrap(), MemoryBackend::Memfd);
+        assert!(MemoryBackend::parse("file:").is_err());
+        assert!(MemoryBackend::parse("huge").is_err());
+        let dir = std::env::temp_dir().join(format!("ferrovm-backend-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let used = dir.join("used");
+        std::fs::write(&used, b"data").unwrap();
+        let backend = MemoryBackend::parse(&format!("file:{}", used.display())).unwrap();
+        let err = create_guest_memory_from(16 << 20, false, RamSource::New(&backend))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("holds data already"), "{err}");
+        let fresh = MemoryBackend::File(dir.join("fresh"));
+        let mem = create_guest_memory_from(16 << 20, false, RamSource::New(&fresh)).unwrap();
+        assert!(shared_ram_of(&mem).is_some());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn large_guests_cost_nothing_until_touched() {
         // 8 GiB mapped without reserving it; splits around the MMIO hole.
         let mem = create_guest_memory(8 << 30, false).unwrap();
