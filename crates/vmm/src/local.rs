@@ -83,13 +83,30 @@ impl LocalListener {
                         "connection on {} refused: {e}; still waiting for a migration",
                         self.path.display()
                     );
-                    let mut reply = &stream;
-                    let _ = migration::send_reply(
-                        &mut reply,
-                        &migration::Frame::Error(format!("destination: {e}")),
-                    );
+                    refuse(&stream, &e);
                 }
             }
+        }
+    }
+}
+
+/// Tells a source why its hand-off was refused, then reads what it sent meanwhile until it
+/// closes (for at most a second): closing at once could fail its writes of the stream's
+/// start, and it would report a broken pipe instead of the reason.
+fn refuse(stream: &UnixStream, why: &Error) {
+    let mut reply = stream;
+    let frame = migration::Frame::Error(format!("destination: {why}"));
+    if migration::send_reply(&mut reply, &frame).is_err() {
+        return;
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut sink = [0u8; 4096];
+    let deadline = std::time::Instant::now() + Duration::from_secs(1);
+    while std::time::Instant::now() < deadline {
+        match reply.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
         }
     }
 }
