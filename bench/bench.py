@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ferrovm benchmarks against QEMU and a raw KVM_RUN loop, measured in one run.
 
-    bench/bench.py [--quick] [--only startup,exits,memory,migration,workloads,restore,blk,firmware]
+    bench/bench.py [--quick] [--only startup,exits,memory,migration,workloads,restore,blk,firmware,localupdate]
                    [--out target/bench/results.json]
 
 Writes every sample to the JSON file; bench/report.py turns it into docs/benchmarks.md
@@ -774,6 +774,17 @@ def bench_firmware(cfg):
 
 # ---------------------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------------------
+# 11. local live update (bench/localupdate.py)
+
+def bench_localupdate(cfg):
+    import localupdate  # imports this module: loaded only when the section runs
+    results = localupdate.run(cfg["localupdate_sizes"], ["ferrovm", "qemu"],
+                              cfg["localupdate_runs"])
+    return {"results": results, "sizes": cfg["localupdate_sizes"],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
 def config(quick):
     cfg = {
         "startup_rounds": 10,
@@ -784,6 +795,7 @@ def config(quick):
         "blk_rounds": 6, "blk_ms": 1000, "blk_mib": 256, "blk_seq_bs": 262144, "blk_seq_qd": 4,
         "blk_image_gib": 1, "blk_wait": "hlt", "blk_two_queues": True,
         "firmware_rounds": 5,
+        "localupdate_runs": 2, "localupdate_sizes": [1, 4, 8],
         "migration_cases": (
             [{"link": "loopback", "guest": "migrate-idle", "gib": g, "runs": 5} for g in (1, 2, 4, 8)]
             + [{"link": "loopback", "guest": "migrate-dirty", "gib": 2, "mib": 256, "runs": 2}]
@@ -798,6 +810,7 @@ def config(quick):
             "memory_rounds": 2, "work_rounds": 1, "work_reps": 2,
             "restore_rounds": 2, "restore_touch_mib": [896],
             "blk_rounds": 2, "blk_ms": 300, "firmware_rounds": 1,
+            "localupdate_runs": 1, "localupdate_sizes": [1],
             "migration_cases": [
                 {"link": "loopback", "guest": "migrate-idle", "gib": 1, "runs": 1},
                 {"link": "1gbit", "guest": "migrate-idle", "gib": 1, "runs": 1},
@@ -806,7 +819,7 @@ def config(quick):
     return cfg
 
 
-ALL_SECTIONS = "startup,exits,memory,migration,workloads,restore,blk,firmware"
+ALL_SECTIONS = "startup,exits,memory,migration,workloads,restore,blk,firmware,localupdate"
 
 
 def main():
@@ -839,7 +852,8 @@ def main():
     steps = [("startup", lambda: bench_startup(cfg)), ("exits", lambda: bench_exits(cfg, hz)),
              ("memory", lambda: bench_memory(cfg)), ("workloads", lambda: bench_workloads(cfg, hz)),
              ("migration", lambda: bench_migration(cfg)), ("restore", lambda: bench_restore(cfg)),
-             ("blk", lambda: bench_blk(cfg, hz)), ("firmware", lambda: bench_firmware(cfg))]
+             ("blk", lambda: bench_blk(cfg, hz)), ("firmware", lambda: bench_firmware(cfg)),
+             ("localupdate", lambda: bench_localupdate(cfg))]
     for name, fn in steps:
         if name in only:
             t = time.monotonic()

@@ -1041,6 +1041,79 @@ def firmware_rows(res, s_fw, rows):
                 f"({s_fw['qemu-pc'] / s_fw['ferrovm']:.2f}× ferrovm) | | — |")
 
 
+def localupdate_section(res, docs, out):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import localupdate  # noqa: E402
+    lu = res["localupdate"]
+    results, sizes = lu["results"], lu["sizes"]
+    runs = 1 + max((m["run"] for m in results), default=0)
+    out.append("## 11. Local live update: a new ferrovm on the same host\n")
+    out.append(
+        "`ctl migrate unix:PATH` to a new ferrovm started with `--incoming unix:PATH` "
+        "(docs/migration.md, \"Local update\"): guest RAM, a memfd, is handed over as a file "
+        "descriptor and only the device and vCPU state is sent. Against a TCP migration on "
+        "loopback of the same guest: ferrovm's (anonymous RAM, the default, and memfd) and QEMU "
+        "7.2's (it has no cpr-transfer, so its same-host path is a TCP migration; microvm, "
+        "no bandwidth cap, downtime limit 50 ms). Guest `migrate-idle` with most of its RAM "
+        f"touched below the MMIO hole, 1 vCPU; {runs} run(s) per case, interleaved "
+        "(`bench/localupdate.py`). Total: the whole migration as the source reports it (the "
+        "local update's includes the new process building its VM and devices on the RAM "
+        "handed over); downtime: ferrovm's pause to the destination's acknowledgement, "
+        "QEMU's guest pause (source `STOP` to destination `RESUME`; its own `downtime` field "
+        "ends before the destination runs). Ratios: each case's median over the local "
+        "update's." + (f" Recorded {lu['date']}." if lu.get("date") else "") + "\n")
+    out.append(localupdate.table(results, sizes) + "\n")
+    local = localupdate.CASES[0][0]
+    flat = [(gib, localupdate.medians(results, gib, local, "total_ms"),
+             localupdate.medians(results, gib, local, "downtime_ms")) for gib in sizes]
+    flat = [(g, t, d) for g, t, d in flat if t and d]
+    if flat:
+        out.append(
+            f"The local update sends the same {state_kib(results, local):.0f} KiB (the state) "
+            "whatever the RAM size: medians "
+            + ", ".join(f"{g} GiB {t[0]:.1f} ms total / {d[0]:.2f} ms downtime" for g, t, d in flat)
+            + f"; the worst run of all took {max(t[2] for _, t, _ in flat):.1f} ms total and "
+            f"{max(d[2] for _, _, d in flat):.2f} ms of downtime. What is left in the downtime "
+            "is the pause of the vCPUs and devices, the state's save and restore, and the new "
+            "process starting its vCPU threads, all of which compete for this 2-CPU host's "
+            "CPUs with whatever else runs (the spread of the runs).\n")
+    out.append(
+        "The second table is the memory backends' cost: from process start to the guest's "
+        "first tick, which it prints once it has written all its pages. Anonymous RAM is "
+        "advised for transparent huge pages; a memfd is shared memory, which follows "
+        "`/sys/kernel/mm/transparent_hugepage/shmem_enabled` (`never` here), so its pages are "
+        "4 KiB and first touches cost more: `anon` stays the default, and `--memory-backend "
+        "memfd` is what a guest to be updated in place is started with.\n")
+    figures = {}
+    for gib in sizes:
+        local_t = localupdate.medians(results, gib, localupdate.CASES[0][0], "total_ms")
+        local_d = localupdate.medians(results, gib, localupdate.CASES[0][0], "downtime_ms")
+        tcp = {label: (localupdate.medians(results, gib, label, "total_ms"),
+                       localupdate.medians(results, gib, label, "downtime_ms"))
+               for label, *_ in localupdate.CASES[1:]}
+        if local_t and local_d:
+            figures[gib] = (local_t[0], local_d[0], tcp)
+    return figures
+
+
+def state_kib(results, label):
+    sent = [m["bytes"] for m in results if m["ok"] and m["case"] == label and m.get("bytes")]
+    return statistics.median(sent) / 1024 if sent else 0
+
+
+def localupdate_rows(res, figures, rows):
+    for gib, (total, down, tcp) in figures.items():
+        qemu_t, qemu_d = tcp["QEMU 7.2 TCP loopback"]
+        ours_t, _ = tcp["ferrovm TCP loopback (anon)"]
+        qemu = (f"TCP loopback {qemu_t[0]:.0f} ms / {qemu_d[0]:.1f} ms "
+                f"({qemu_t[0] / total:.0f}× / {qemu_d[0] / down:.1f}× the update)"
+                if qemu_t and qemu_d else "–")
+        ours = f"ferrovm TCP loopback total {ours_t[0]:.0f} ms" if ours_t else ""
+        rows.append(f"| local update (memfd over unix:), {gib} GiB idle: total / downtime | "
+                    f"{total:.1f} ms / {down:.2f} ms | {qemu} | {ours} | "
+                    "downtime < 10 ms, total < 100 ms, flat in RAM size |")
+
+
 # key in results.json, heading in benchmarks.md, renderer, summary rows, their first cells
 SECTIONS = [
     ("startup", "## 1. ", startup_section, startup_rows, ("| process start",)),
@@ -1054,6 +1127,7 @@ SECTIONS = [
     # bench/net.py's results (target/bench/net.json); §10 is measured by hand: kept as it is.
     ("net", "## 9. ", net_section, net_rows, ("| virtio-net",)),
     ("vsock", "## 10. ", None, None, ("| virtio-vsock",)),
+    ("localupdate", "## 11. ", localupdate_section, localupdate_rows, ("| local update",)),
 ]
 
 
@@ -1087,7 +1161,7 @@ def old_page(path):
 ROUNDS_SUFFIX = {"startup": " for start-up", "exits": " for exits", "memory": " for memory",
                  "workloads": " for the workloads", "restore": " for restore",
                  "blk": " for virtio-blk", "firmware": " for firmware boot",
-                 "net": " for virtio-net"}
+                 "net": " for virtio-net", "localupdate": " for local update"}
 
 
 def and_list(items):
@@ -1119,6 +1193,7 @@ def rounds_phrases(res, kept=(), old=None):
         "restore": lambda: f"{c['restore_rounds']} for restore",
         "blk": lambda: f"{c['blk_rounds']} for virtio-blk",
         "firmware": lambda: f"{c['firmware_rounds']} for firmware boot",
+        "localupdate": lambda: f"{c['localupdate_runs']} for local update",
         "net": lambda: f"{len(next(iter(res['net'].values()))['samples']['ferrovm'])} for virtio-net",
         "migration": lambda: "for migration " + "; ".join(
             f"{m['runs']} run{'s' if m['runs'] > 1 else ''} for {m['link']} "
@@ -1234,6 +1309,7 @@ def main():
         "| `bench/hostbench.c`, `bench/workloads.h`, `bench/workloads-host.c` | host side of guest against host; `prime` |\n"
         "| `bench/qmp.py` | minimal QMP client for QEMU's migration |\n"
         "| `bench/migration.sh` | ferrovm migration cases (also its own table, docs/migration.md) |\n"
+        "| `bench/localupdate.py` | §11: local update against TCP migration on loopback, memory backends |\n"
         "| `bench/linux-initramfs.sh` | `hostbench` as the `/init` of an initramfs |\n"
         "| `bench/blkhost.c` | the host floor of the virtio-blk benchmark |\n"
         "| `bench/net.py`, `bench/udpecho.c`, `bench/tcpbulk.c` | the virtio-net benchmark (`target/bench/net.json`) and its host side (UDP, TCP) |\n"

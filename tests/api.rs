@@ -534,7 +534,7 @@ fn malformed_requests_get_their_status() {
             "/api/v1/vm.send-migration",
             r#"{"destination_url":"tcp:127.0.0.1:1","local":true}"#,
             400,
-            "local: not supported",
+            "local: true needs a unix:PATH destination",
         ),
         ("/api/v1/vm.nothing", "", 404, "no such endpoint"),
         ("/api/v1/vm.info", "", 405, "PUT is not allowed"),

@@ -76,7 +76,7 @@ impl Vm {
         // A destination is ready once it says where it listens; a migration started before
         // that line would find nobody there.
         if args.contains(&"--incoming") {
-            vm.listening_port();
+            vm.listening_line();
         }
         vm
     }
@@ -113,26 +113,30 @@ impl Vm {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
     }
 
-    /// The port of the `listening on 127.0.0.1:PORT` line a destination prints first.
-    fn listening_port(&mut self) -> u16 {
-        let mut port = None;
+    /// The address of the `listening on ADDRESS` line a destination prints first.
+    fn listening_line(&mut self) -> String {
+        let mut addr = None;
         wait_until(
             Duration::from_secs(20),
             || {
-                port = self
-                    .errors()
-                    .lines()
-                    .find_map(|l| {
-                        l.trim()
-                            .rsplit_once("listening on ")
-                            .map(|(_, a)| a.to_string())
-                    })
-                    .and_then(|a| a.rsplit_once(':').and_then(|(_, p)| p.parse().ok()));
-                port.is_some() || self.child.try_wait().unwrap().is_some()
+                addr = self.errors().lines().find_map(|l| {
+                    l.trim()
+                        .rsplit_once("listening on ")
+                        .map(|(_, a)| a.to_string())
+                });
+                addr.is_some() || self.child.try_wait().unwrap().is_some()
             },
             "the destination's listening line",
         );
-        port.unwrap_or_else(|| panic!("no listening line: {}", self.errors()))
+        addr.unwrap_or_else(|| panic!("no listening line: {}", self.errors()))
+    }
+
+    /// The port of the `listening on 127.0.0.1:PORT` line a destination prints first.
+    fn listening_port(&mut self) -> u16 {
+        let addr = self.listening_line();
+        addr.rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or_else(|| panic!("no port in the listening line {addr}"))
     }
 
     fn running(&mut self) -> bool {
@@ -1652,4 +1656,147 @@ fn post_copy_cut_after_the_switch_loses_the_guest_on_both_sides_in_one_line() {
         1,
         "one line on the destination: {dst_err}"
     );
+}
+
+/// A dirtying guest of 256 MiB in a memfd.
+fn memfd_source(dir: &Path) -> Vm {
+    start_dirty_source(dir, &["--memory", "256M", "--memory-backend", "memfd"], 32)
+}
+
+/// A local update's destination: `--incoming unix:PATH` with the source's shape.
+fn local_destination(dir: &Path, name: &str, memory: &str) -> (Vm, String) {
+    let url = format!("unix:{}", dir.join(format!("{name}.update")).display());
+    let dest = Vm::start(&["--incoming", &url, "--memory", memory], dir, name, true);
+    (dest, url)
+}
+
+/// After an update: the old process exited 0 and the guest goes on, intact, in the new one
+/// (past pass `before`).
+fn took_over(old: &mut Vm, new: &Vm, before: u64) {
+    let (status, err) = old.wait(Duration::from_secs(30));
+    assert_eq!(status, Some(0), "the old process exits 0: {err}");
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&new.output()) > before,
+        "the updated guest's progress",
+    );
+    assert_intact(&new.output());
+}
+
+/// Local updates, one after the other: each new process maps the guest RAM the previous one
+/// handed over (no page is sent), the old one exits 0, and the guest keeps checking every
+/// page it wrote.
+#[test]
+fn local_update_10_times_in_a_row() {
+    let dir = scratch("local-10");
+    let mut current = memfd_source(&dir);
+    for i in 0..10 {
+        let (dest, url) = local_destination(&dir, &format!("gen{i}"), "256M");
+        let before = last_pass(&current.output());
+        let run = current.ctl(&["--json", "migrate", &url]);
+        run.expect_status(0);
+        let reply: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+        let report = &reply["report"];
+        assert_eq!(
+            report["pages_total"], 0,
+            "a local update copies no page: {report}"
+        );
+        assert_eq!(report["rounds"].as_array().unwrap().len(), 0, "{report}");
+        eprintln!(
+            "local update {i}: total {} ms, downtime {} ms, {} bytes",
+            report["total_ms"], report["downtime_ms"], report["bytes_total"]
+        );
+        took_over(&mut current, &dest, before);
+        current = dest;
+    }
+    let passes = last_pass(&current.output());
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&current.output()) >= passes + 2,
+        "progress after the last update",
+    );
+    assert_intact(&current.output());
+    current.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// The source's migration failed with the guest running on, intact.
+fn assert_source_runs_on(source: &mut Vm, run: &Run) {
+    assert_eq!(run.status, Some(2), "the update must fail:\n{}", run.stdout);
+    assert!(
+        source.running(),
+        "the source VMM exited: {}",
+        source.errors()
+    );
+    assert!(
+        run.stderr.contains("keeps running") && run.stderr.trim().lines().count() == 1,
+        "one line saying the guest runs on: {}",
+        run.stderr
+    );
+    let after = last_pass(&source.output());
+    wait_until(
+        Duration::from_secs(60),
+        || last_pass(&source.output()) >= after + 2,
+        "the source guest to make progress after the failed update",
+    );
+    assert_intact(&source.output());
+}
+
+/// The new process is killed (SIGKILL) while the update is in flight: it was stopped before
+/// it could accept, so the source has handed guest RAM over and waits for it. The old
+/// process runs the guest on, and a second update (to a new process) then succeeds.
+#[test]
+fn local_update_destination_killed_mid_transfer() {
+    let dir = scratch("local-killed");
+    let mut source = memfd_source(&dir);
+    let (mut dest, url) = local_destination(&dir, "victim", "256M");
+    let pid = dest.child.id() as i32;
+    // SAFETY: pid is the destination child, still owned (not reaped) by `dest`.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    });
+    let run = source.ctl(&["migrate", &url]);
+    killer.join().unwrap();
+    let _ = dest.wait(Duration::from_secs(10));
+    eprintln!("killed destination: source: {}", run.stderr.trim());
+    assert_source_runs_on(&mut source, &run);
+
+    let (next, url) = local_destination(&dir, "next", "256M");
+    let before = last_pass(&source.output());
+    source.ctl(&["migrate", &url]).expect_status(0);
+    took_over(&mut source, &next, before);
+    next.ctl(&["shutdown"]).expect_status(0);
+}
+
+/// What a local update refuses, each with one line and the guest running on: anonymous guest
+/// RAM (nothing to hand over), and a destination of another memory size (it refuses the
+/// hand-off and goes on waiting).
+#[test]
+fn local_update_refusals_leave_the_guest_running() {
+    let dir = scratch("local-refused");
+    let mut anon = start_dirty_source(&dir, &["--memory", "256M"], 32);
+    let (_dest, url) = local_destination(&dir, "for-anon", "256M");
+    let run = anon.ctl(&["migrate", &url]);
+    assert!(
+        run.stderr.contains("--memory-backend memfd"),
+        "{}",
+        run.stderr
+    );
+    assert_source_runs_on(&mut anon, &run);
+    anon.ctl(&["shutdown"]).expect_status(0);
+
+    let dir = scratch("local-refused-size");
+    let mut source = memfd_source(&dir);
+    let (mut wrong, url) = local_destination(&dir, "wrong", "512M");
+    let run = source.ctl(&["migrate", &url]);
+    assert!(run.stderr.contains("--memory"), "{}", run.stderr);
+    assert_source_runs_on(&mut source, &run);
+    assert!(
+        wrong.running(),
+        "the refusing destination waits on: {}",
+        wrong.errors()
+    );
+    source.ctl(&["shutdown"]).expect_status(0);
 }

@@ -79,6 +79,10 @@ pub struct RunArgs {
     /// MiB (default 256M).
     #[arg(long, value_name = "SIZE")]
     pub memory: Option<String>,
+    /// Where guest RAM lives: anonymous memory (default), a memfd, or a new (or empty) file;
+    /// memfd or file is needed for a local update (`migrate unix:PATH`).
+    #[arg(long, value_name = "anon|memfd|file:PATH")]
+    pub memory_backend: Option<String>,
     /// Where the interrupt controllers live (default kernel).
     #[arg(long, value_enum)]
     pub irqchip: Option<IrqChipArg>,
@@ -103,8 +107,13 @@ pub struct RunArgs {
     /// Lock guest RAM in host memory.
     #[arg(long)]
     pub wired: bool,
-    /// Wait for an incoming live migration.
-    #[arg(long, value_name = "tcp:HOST:PORT", conflicts_with_all = ["restore", "kernel"])]
+    /// Wait for an incoming live migration (unix:PATH: a local update from a ferrovm on
+    /// this host, which hands guest RAM over instead of copying it).
+    #[arg(
+        long,
+        value_name = "tcp:HOST:PORT|unix:PATH",
+        conflicts_with_all = ["restore", "kernel"]
+    )]
     pub incoming: Option<String>,
     /// Restore a snapshot. Guest memory is mapped from the file and read as the guest
     /// touches it; its page data is verified in the background (a corrupt page stops the VM).
@@ -219,7 +228,7 @@ impl RunArgs {
         let start = match (self.kernel, self.restore, self.incoming) {
             (Some(kernel), None, None) => StartFrom::Kernel(kernel),
             (None, Some(file), None) => StartFrom::Restore(file),
-            (None, None, Some(addr)) => StartFrom::Incoming(vmm::parse_tcp(&addr, "--incoming")?),
+            (None, None, Some(addr)) => vmm::incoming_start(&addr, "--incoming")?,
             (None, None, None) if firmware.is_some() || has_disk => {
                 firmware.get_or_insert_with(|| PathBuf::from(DEFAULT_FIRMWARE));
                 StartFrom::Firmware
@@ -261,6 +270,9 @@ impl RunArgs {
         };
         config.serial = parse_serial(&self.serial)?;
         config.wired = self.wired;
+        if let Some(backend) = &self.memory_backend {
+            config.memory_backend = vmm::memory::MemoryBackend::parse(backend)?;
+        }
         config.api_socket = self.api_socket;
         config.restore_verify = restore_verify;
         config.restore_eager = restore_eager;
@@ -353,7 +365,7 @@ pub enum CtlRequest {
 /// `ctl migrate`'s options (the fields of `vm.send-migration`'s body).
 #[derive(Args, Debug)]
 pub struct MigrateArgs {
-    /// tcp:HOST:PORT
+    /// tcp:HOST:PORT, or unix:PATH for a local update (guest RAM handed over, not copied)
     pub destination: String,
     #[arg(long, value_name = "BYTES_PER_S")]
     pub max_bandwidth: Option<u64>,

@@ -7,7 +7,12 @@ pub fn print_migration(reply: &MigrationReport) {
         Ok(figures) => figures,
         Err(e) => return println!("unreadable migration report: {e}"),
     };
-    println!("round  duration_ms  pages_sent  zero_pages  MiB_sent  dirty_found");
+    if report.rounds.is_empty() {
+        // A local update: guest RAM was handed over, no page sent.
+        println!("no page sent (guest RAM handed over)");
+    } else {
+        println!("round  duration_ms  pages_sent  zero_pages  MiB_sent  dirty_found");
+    }
     for r in &report.rounds {
         println!(
             "{:>5}  {:>11.1}  {:>10}  {:>10}  {:>8.1}  {:>11}",

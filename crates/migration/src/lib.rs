@@ -26,6 +26,7 @@ mod ram;
 mod receive;
 mod resident;
 mod senders;
+mod shared_ram;
 mod sink;
 mod stages;
 mod stream;
@@ -53,6 +54,7 @@ pub use receive::{
     IncomingRound, Restored,
 };
 pub use resident::{touched_pages, Residency, ResidencyMethod};
+pub use shared_ram::receive_shared_ram;
 pub use stages::{DestinationStages, SourceStages};
 pub use stream::{
     encode_frame, page_crc, pages_frame_len, send_reply, wait_ack, CompressedPages, EndInfo, Frame,

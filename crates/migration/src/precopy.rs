@@ -42,6 +42,8 @@ use crate::stream::{
     read_reply, wait_reply, EndInfo, Frame, RoundEndInfo, StreamWriter, MAX_STATE_TOTAL,
 };
 
+mod shared;
+
 /// Where the dirty pages come from: the hypervisor's dirty log, plus any page the VMM's own
 /// device emulation wrote (KVM's log only sees guest writes).
 pub trait DirtySource {
@@ -97,6 +99,9 @@ pub struct MigrationParams {
     pub auto_converge: bool,
     /// Compression of page data (default: automatic, on while the link is the bottleneck).
     pub compression: Compression,
+    /// The destination maps the very same guest RAM (a local update: the memory file went
+    /// across as a descriptor): no page is sent, only the state ([`shared`]).
+    pub shared_ram: bool,
 }
 
 impl Default for MigrationParams {
@@ -108,6 +113,7 @@ impl Default for MigrationParams {
             max_time: None,
             auto_converge: false,
             compression: Compression::Auto,
+            shared_ram: false,
         }
     }
 }
@@ -769,6 +775,9 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         self.w.write_frame(&Frame::Config(config.clone()))?;
         self.w.flush()?;
         wait_reply(&mut self.ack, &Frame::Ready)?;
+        if self.params.shared_ram {
+            return self.run_shared(vm);
+        }
         self.open_lanes()?;
 
         // Round 0: the pages that hold data. Tracking starts first, so a page the guest
@@ -847,15 +856,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         // Stop and copy.
         self.meter.phase = Phase::StopAndCopy;
         let t_pause = Instant::now();
-        self.paused = true;
-        vm.pause()?;
-        let state = vm.save_state()?;
-        if state.len() > MAX_STATE_TOTAL {
-            return Err(Error::Vmm(format!(
-                "the device/vCPU state is {} bytes, more than the {MAX_STATE_TOTAL} a stream carries",
-                state.len()
-            )));
-        }
+        let state = self.pause_and_save(vm)?;
         let mut fin = self.take_dirty(dirty)?;
         fin.union_with(&carry);
         drop(carry);
@@ -875,17 +876,11 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             .rounds
             .iter()
             .fold((0, 0), |a, r| (a.0 + r.pages_sent, a.1 + r.zero_pages));
-        self.w.write_frame(&Frame::State(state.clone()))?;
-        self.w.write_frame(&Frame::End(EndInfo {
+        let end = EndInfo {
             rounds: self.rounds.len() as u32,
             total_pages: sent.0,
             total_zero_pages: sent.1,
-        }))?;
-        self.w.flush()?;
-        self.final_sent = true;
-        let stop_and_copy = t_pause.elapsed();
-        self.meter.phase = Phase::WaitingAck;
-        self.meter.emit(self.bytes_written(), 0, true);
+        };
         let mut postcopying = link.map(|link| Postcopying {
             report: PostcopyReport {
                 after_rounds: self.rounds.len() as u32,
@@ -895,7 +890,7 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
             link,
             missing: fin,
         });
-        self.hand_over(vm, postcopying.as_mut())?;
+        let stop_and_copy = self.send_final(vm, &state, end, t_pause, postcopying.as_mut())?;
         let downtime = t_pause.elapsed();
         let postcopy = match postcopying {
             Some(p) => Some(self.serve_postcopy(p, t_pause)?),
@@ -983,7 +978,8 @@ impl<W: Write, R: Read, P: FnMut(&Progress)> Engine<'_, W, R, P> {
         mut postcopying: Option<&mut Postcopying>,
     ) -> Result<()> {
         let what = "its acknowledgement";
-        match self.reply_answering(what, postcopying.as_deref_mut())? {
+        let reply = self.reply_answering(what, postcopying.as_deref_mut());
+        match self.gone_before_handover(reply)? {
             Frame::Handover => {}
             Frame::Ack => return Ok(()),
             other => {

@@ -63,6 +63,10 @@ pub struct AckSender<W: Write> {
 }
 
 impl<W: Write> AckSender<W> {
+    pub(crate) fn new(w: W) -> Self {
+        AckSender { w }
+    }
+
     /// "The destination runs the guest": the source may now shut its copy down. Send it only
     /// once the guest is restored and running; if this fails, the source resumes its own
     /// copy, so stop this one.
@@ -212,23 +216,7 @@ where
         ));
     }
     let mut reader = StreamReader::new(BufReader::with_capacity(CONNECTION_READ_AHEAD, input));
-    reader.read_header()?;
-    let config = match reader.next_frame()? {
-        Frame::Config(c) => c,
-        Frame::Error(message) => {
-            return Err(Error::Peer {
-                peer: "source",
-                message,
-            })
-        }
-        other => {
-            return Err(Error::Protocol {
-                offset: reader.offset(),
-                reason: format!("the stream starts with {other:?} instead of Config"),
-            })
-        }
-    };
-    config.check_against(expected)?;
+    let config = read_config(&mut reader, expected)?;
     let reader_ranges = layout.ranges();
     reader.set_ram_ranges(reader_ranges.clone());
 
@@ -443,4 +431,29 @@ where
             }
         }
     }
+}
+
+/// Reads the stream's header and its `Config` frame, checked against `expected`.
+pub(crate) fn read_config<R: Read>(
+    reader: &mut StreamReader<R>,
+    expected: &ConfigCheck,
+) -> Result<MigrationConfig> {
+    reader.read_header()?;
+    let config = match reader.next_frame()? {
+        Frame::Config(c) => c,
+        Frame::Error(message) => {
+            return Err(Error::Peer {
+                peer: "source",
+                message,
+            })
+        }
+        other => {
+            return Err(Error::Protocol {
+                offset: reader.offset(),
+                reason: format!("the stream starts with {other:?} instead of Config"),
+            })
+        }
+    };
+    config.check_against(expected)?;
+    Ok(config)
 }

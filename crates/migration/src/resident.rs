@@ -24,6 +24,8 @@ pub enum ResidencyMethod {
     Pagemap,
     Mincore,
     AllPages,
+    /// None: guest RAM is shared with the destination (a local update).
+    Shared,
 }
 
 /// The pages of guest RAM that hold data.

@@ -274,6 +274,11 @@ fn run(
     }
 }
 
+/// [`run`] with the default parameters and a destination that answers like a real one.
+fn run_with_defaults(s: &S, d: &mut FakeDirty, v: &mut FakeVm) -> Outcome {
+    run(s, d, v, &MigrationParams::default(), Replies::Auto)
+}
+
 /// Receives `stream` into fresh RAM and checks it equals the source's.
 fn check_destination(s: &S, stream: &[u8]) -> IncomingReport {
     let src = s.borrow().mem.clone();
@@ -297,13 +302,7 @@ fn check_destination(s: &S, stream: &[u8]) -> IncomingReport {
 #[test]
 fn converges_when_the_dirty_set_is_small() {
     let (s, mut d, mut v) = source(|_| 10);
-    let o = run(
-        &s,
-        &mut d,
-        &mut v,
-        &MigrationParams::default(),
-        Replies::Auto,
-    );
+    let o = run_with_defaults(&s, &mut d, &mut v);
     let rep = o.report.unwrap();
     assert!(rep.converged);
     assert_eq!(rep.stop_reason, StopReason::Converged);
@@ -635,13 +634,7 @@ fn a_dirty_log_failure_after_pause_resumes_the_source() {
     let (s, mut d, mut v) = source(|_| 10);
     // take 1: after round 0; take 2: the final one, after the pause.
     s.borrow_mut().fail_take_at = Some(2);
-    let o = run(
-        &s,
-        &mut d,
-        &mut v,
-        &MigrationParams::default(),
-        Replies::Auto,
-    );
+    let o = run_with_defaults(&s, &mut d, &mut v);
     assert!(o.report.unwrap_err().to_string().contains("EFAULT"));
     let sh = s.borrow();
     assert_eq!((sh.pauses, sh.resumes, sh.stops), (1, 1, 1));
@@ -1116,4 +1109,77 @@ fn repeated_pages_go_as_markers_and_follow_their_source_page() {
     // Round 0: 99 copies as 36-byte markers instead of 4100 bytes each; round 1 sends
     // page 1 with data and 98 markers, where the stream without markers sends only page 0.
     assert!(sizes[0] + 99 * 3900 < sizes[1], "{sizes:?}");
+}
+
+fn shared_ram() -> MigrationParams {
+    MigrationParams {
+        shared_ram: true,
+        ..Default::default()
+    }
+}
+
+/// Over shared guest RAM (a local update) no page is sent: the stream is the configuration,
+/// the state and `End`, and the destination reads it without touching its memory.
+#[test]
+fn shared_ram_sends_the_state_only() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let replies = Replies::Script(vec![Frame::Ready, Frame::Handover, Frame::Ack]);
+    let o = run(&s, &mut d, &mut v, &shared_ram(), replies);
+    let rep = o.report.unwrap();
+    assert!(rep.rounds.is_empty());
+    assert_eq!((rep.pages_total, rep.zero_pages_total), (0, 0));
+    assert_eq!(rep.residency_method, ResidencyMethod::Shared);
+    let sh = s.borrow();
+    assert_eq!((sh.pauses, sh.resumes, sh.handovers.as_str()), (1, 0, "h"));
+    assert!(!sh.tracking, "no dirty tracking over shared RAM");
+    let got = receive_shared_ram(&o.stream[..], Vec::new(), &config_of(&sh.mem)).unwrap();
+    assert_eq!(got.state, b"cpu state");
+    assert_eq!(got.report.pages_total, 0);
+    // A page-copying receiver refuses such a stream rather than run a guest without RAM.
+    let err = receive(&ram(), &o.stream[..], Vec::new(), &config_of(&sh.mem))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("before the final round"), "{err}");
+}
+
+/// A destination gone before `Handover` changed nothing in the shared RAM: the source
+/// resumes. Gone after it, the outcome is unknown and the source stays paused.
+#[test]
+fn shared_ram_destination_lost_before_or_after_handover() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let e = run(
+        &s,
+        &mut d,
+        &mut v,
+        &shared_ram(),
+        Replies::Script(vec![Frame::Ready]),
+    )
+    .report
+    .unwrap_err();
+    assert!(!e.outcome_unknown(), "{e}");
+    assert!(
+        e.to_string().contains("before taking the guest over"),
+        "{e}"
+    );
+    assert_eq!((s.borrow().pauses, s.borrow().resumes), (1, 1));
+
+    let (s, mut d, mut v) = source(|_| 10);
+    let replies = Replies::Script(vec![Frame::Ready, Frame::Handover]);
+    let e = run(&s, &mut d, &mut v, &shared_ram(), replies)
+        .report
+        .unwrap_err();
+    assert!(e.outcome_unknown(), "{e}");
+    assert_eq!((s.borrow().pauses, s.borrow().resumes), (1, 0));
+}
+
+/// A source that sends pages on a shared-RAM stream is refused by the destination.
+#[test]
+fn shared_ram_receiver_refuses_pages() {
+    let (s, mut d, mut v) = source(|_| 10);
+    let o = run_with_defaults(&s, &mut d, &mut v);
+    o.report.unwrap();
+    let err = receive_shared_ram(&o.stream[..], Vec::new(), &config_of(&s.borrow().mem))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("pages"), "{err}");
 }

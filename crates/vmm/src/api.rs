@@ -294,8 +294,12 @@ impl Api {
     }
 
     fn migrate(&self, request: MigrateRequest) -> Reply {
-        if request.local {
-            return Reply::fault(400, "local: not supported (ferrovm migrates over TCP)");
+        if request.local && crate::local::unix_path(&request.destination).is_none() {
+            return Reply::fault(
+                400,
+                "local: true needs a unix:PATH destination (a local update hands guest RAM \
+                 over on the same host)",
+            );
         }
         let progress = |p| *lock(&self.migration) = Some(p);
         let result = on_migration_thread(

@@ -45,6 +45,8 @@ pub enum StartFrom {
     Restore(PathBuf),
     /// An incoming live migration on `HOST:PORT`.
     Incoming(String),
+    /// A local update arriving on this Unix socket (`--incoming unix:PATH`).
+    IncomingLocal(PathBuf),
     /// Nothing yet: the configuration comes through the API (`--api-socket` alone, as
     /// Firecracker starts).
     Api,
@@ -74,6 +76,8 @@ pub struct VmConfig {
     pub accel: hypervisor::AccelKind,
     pub serial: SerialOutput,
     pub wired: bool,
+    /// `--memory-backend`: anonymous memory, or a file a local update can hand over.
+    pub memory_backend: crate::memory::MemoryBackend,
     pub api_socket: Option<PathBuf>,
     /// `--restore-verify`: check all of a snapshot's page data before the guest runs.
     pub restore_verify: bool,
@@ -116,6 +120,7 @@ impl VmConfig {
             accel: hypervisor::AccelKind::Auto,
             serial: SerialOutput::Stdio,
             wired: false,
+            memory_backend: Default::default(),
             api_socket: None,
             restore_verify: false,
             restore_eager: false,

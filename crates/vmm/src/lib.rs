@@ -13,6 +13,7 @@ mod files;
 pub mod firmware;
 mod ioevents;
 mod irqchip;
+mod local;
 mod machine;
 pub mod memory;
 mod msi;
@@ -27,6 +28,7 @@ mod timers;
 mod vcpu;
 
 pub use error::{Error, Result};
+pub use local::incoming_start;
 pub use machine::{run, Outcome};
 pub use snapshot::parse_tcp;
 

@@ -145,6 +145,8 @@ enum Start {
     Boot,
     Restore(std::path::PathBuf, RestoreOptions),
     Incoming(TcpListener),
+    /// A local update whose hand-off (guest RAM) was accepted: the state follows.
+    IncomingLocal(std::os::unix::net::UnixStream),
 }
 
 struct Machine {
@@ -154,6 +156,8 @@ struct Machine {
     /// Memory (kept alive while the VM runs: the kernel maps it), the VM and the devices.
     core: Arc<Core>,
     start: Start,
+    /// `--incoming unix:PATH`'s listener, whose socket file goes with the machine.
+    _local_listener: Option<crate::local::LocalListener>,
     vcpus: Vec<Box<dyn Vcpu>>,
     context: Arc<VcpuContext>,
     timers: Option<TimerDevices>,
@@ -196,6 +200,8 @@ struct BootInputs {
     kernel: Option<File>,
     initrd: Option<File>,
     incoming: Option<TcpListener>,
+    /// `--incoming unix:PATH`: the listener (its socket removed with the machine).
+    local: Option<crate::local::LocalListener>,
 }
 
 impl BootInputs {
@@ -206,6 +212,10 @@ impl BootInputs {
         };
         let incoming = match &config.start {
             StartFrom::Incoming(addr) => Some(listen_for_migration(addr)?),
+            _ => None,
+        };
+        let local = match &config.start {
+            StartFrom::IncomingLocal(path) => Some(crate::local::listen(path)?),
             _ => None,
         };
         let initrd = match &config.initrd {
@@ -223,6 +233,7 @@ impl BootInputs {
             kernel,
             initrd,
             incoming,
+            local,
         })
     }
 }
@@ -244,8 +255,9 @@ fn map_memory(
     vm: &Arc<dyn hypervisor::Vm>,
     config: &VmConfig,
     rom: Option<&firmware::Rom>,
+    source: memory::RamSource,
 ) -> Result<MachineMemory> {
-    let memory = memory::create_guest_memory(config.memory, config.wired)?;
+    let memory = memory::create_guest_memory_from(config.memory, config.wired, source)?;
     let (regions, slots, firmware) = match rom {
         Some(rom) => firmware::map_guest_memory(vm, &memory, rom)?,
         None => {
@@ -427,7 +439,14 @@ fn create_vcpus(
 }
 
 /// How the vCPUs get their first state.
-fn start_of(config: &VmConfig, incoming: Option<TcpListener>) -> Start {
+fn start_of(
+    config: &VmConfig,
+    incoming: Option<TcpListener>,
+    local: Option<std::os::unix::net::UnixStream>,
+) -> Start {
+    if let Some(stream) = local {
+        return Start::IncomingLocal(stream);
+    }
     match (&config.start, incoming) {
         (StartFrom::Restore(path), _) => Start::Restore(
             path.clone(),
@@ -451,9 +470,26 @@ impl Machine {
         let rom = firmware::rom_for(config)?;
         memory::validate_size(config.memory, &config.memory_text)?;
         let mut inputs = BootInputs::open(config)?;
+        // A local update's destination binds the API socket before it waits for its source
+        // (the file tells it is there); any other machine once it is built, as clients take
+        // the file for readiness.
+        let mut attached = attached;
+        let early_api = match inputs.local {
+            Some(_) => Some(api_setup(config, attached.take())?),
+            None => None,
+        };
         let (hv, caps) = open_hypervisor(config)?;
+        // A local update: the source's guest RAM, once a source connects.
+        let (local, source) = match &inputs.local {
+            Some(listener) => {
+                let accepted = listener.accept(config.memory)?;
+                let ram = memory::RamSource::HandedOver(accepted.ram);
+                (Some(accepted.stream), ram)
+            }
+            None => (None, memory::RamSource::New(&config.memory_backend)),
+        };
         let vm = hv.create_vm()?;
-        let ram = map_memory(&vm, config, rom.as_ref())?;
+        let ram = map_memory(&vm, config, rom.as_ref(), source)?;
         // Asked again now that the VM exists: bhyve probes its snapshot support on creation.
         let irqchip = crate::irqchip::create(&vm, config.irqchip, &hv.capabilities())?;
         let entry = write_boot_image(
@@ -512,9 +548,13 @@ impl Machine {
             vcpus: create_vcpus(hv.as_ref(), &vm, config, entry.as_ref(), &caps)?,
             context,
             timers: Some(devices.timers),
-            api: api_setup(config, attached)?,
+            api: match early_api {
+                Some(api) => api,
+                None => api_setup(config, attached)?,
+            },
             restore_paused: config.start_paused,
-            start: start_of(config, inputs.incoming),
+            start: start_of(config, inputs.incoming, local),
+            _local_listener: inputs.local,
             serial_output: devices.serial_output,
             keyboard: devices.keyboard,
             serial_input: devices.serial_input,
@@ -539,6 +579,11 @@ impl Machine {
                     let _ = self.core.restored.set(m);
                 }
                 (state, None)
+            }
+            Start::IncomingLocal(stream) => {
+                let incoming = crate::local::receive(stream, &self.core.config)?;
+                log::info!("local update received: {}", incoming.figures);
+                (incoming.state, Some(incoming.ack))
             }
             Start::Incoming(listener) => {
                 let incoming =

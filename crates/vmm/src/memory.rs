@@ -1,7 +1,8 @@
-//! Guest RAM: anonymous, not reserved up front, advised for transparent huge pages, wired
-//! only on request.
+//! Guest RAM: anonymous (or a shared file, `--memory-backend`), not reserved up front,
+//! advised for transparent huge pages, wired only on request.
 
 mod anon;
+mod backend;
 
 use std::sync::Arc;
 
@@ -14,6 +15,7 @@ use crate::config::MIB;
 use crate::error::{Error, Result};
 
 pub use anon::AnonRegion;
+pub use backend::{check_handed_over, shared_ram_of, MemoryBackend, SharedRam, SharedRegion};
 
 /// One region of guest RAM: vm-memory's mmap region on Linux; elsewhere [`AnonRegion`], as
 /// vm-memory's mmap backend builds on Linux only.
@@ -108,13 +110,42 @@ pub fn validate_size(size: u64, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// Maps guest RAM for `size` bytes following the platform layout (RAM split around the
-/// 32-bit MMIO hole).
+/// Maps anonymous guest RAM for `size` bytes following the platform layout (RAM split
+/// around the 32-bit MMIO hole).
 pub fn create_guest_memory(size: u64, wired: bool) -> Result<GuestMemory> {
+    create_guest_memory_from(size, wired, RamSource::New(&MemoryBackend::Anon))
+}
+
+/// What guest RAM is made of.
+pub enum RamSource<'a> {
+    /// Fresh, zeroed memory of this backend.
+    New(&'a MemoryBackend),
+    /// The RAM of a running guest, handed over by a local update (checked already).
+    HandedOver(SharedRam),
+}
+
+/// Maps guest RAM for `size` bytes following the platform layout, from `source`.
+pub fn create_guest_memory_from(size: u64, wired: bool, source: RamSource) -> Result<GuestMemory> {
+    let shared = match source {
+        RamSource::New(MemoryBackend::Anon) => None,
+        RamSource::New(backend) => Some(SharedRam {
+            file: backend::create_file(backend, size)?,
+            regions: backend::layout_for(size),
+        }),
+        RamSource::HandedOver(ram) => Some(ram),
+    };
     let mut regions = Vec::new();
-    for (base, len) in boot::layout::ram_regions(size) {
+    for (i, (base, len)) in boot::layout::ram_regions(size).into_iter().enumerate() {
         let len = usize::try_from(len).map_err(|_| Error::Memory("region too large".into()))?;
-        let region = map_region(base, len)?;
+        let region = match &shared {
+            Some(ram) => {
+                let place = ram.regions.get(i).ok_or_else(|| {
+                    Error::Memory("the shared guest RAM file lacks a region".into())
+                })?;
+                backend::map_shared_region(&ram.file, place)?
+            }
+            None => map_region(base, len)?,
+        };
         let host_addr = region
             .get_host_address(MemoryRegionAddress(0))
             .map_err(|e| Error::Memory(e.to_string()))?;
@@ -238,6 +269,59 @@ mod tests {
         let too_big = host_memory_bytes().unwrap() + 4096;
         let err = validate_size(too_big, "huge").unwrap_err().to_string();
         assert!(err.contains("larger than this host"), "{err}");
+    }
+
+    #[test]
+    fn memfd_ram_is_seen_by_a_second_mapping_of_its_file() {
+        use vm_memory::Bytes;
+        let size = 8 << 30;
+        let first =
+            create_guest_memory_from(size, false, RamSource::New(&MemoryBackend::Memfd)).unwrap();
+        first.write_obj(0x5eed_u64, GuestAddress(0x1000)).unwrap();
+        first.write_obj(0xf00d_u64, GuestAddress(5 << 30)).unwrap();
+        let shared = shared_ram_of(&first).unwrap();
+        assert_eq!(shared.regions.len(), 2);
+        assert_eq!(shared.regions[1].offset, shared.regions[0].size);
+        check_handed_over(&shared, size).unwrap();
+        let err = check_handed_over(&shared, size / 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("give the same --memory"), "{err}");
+        // What a local update's destination maps: the same pages.
+        let second = create_guest_memory_from(size, false, RamSource::HandedOver(shared)).unwrap();
+        assert_eq!(
+            second.read_obj::<u64>(GuestAddress(0x1000)).unwrap(),
+            0x5eed
+        );
+        assert_eq!(
+            second.read_obj::<u64>(GuestAddress(5 << 30)).unwrap(),
+            0xf00d
+        );
+        second.write_obj(7_u64, GuestAddress(0x2000)).unwrap();
+        assert_eq!(first.read_obj::<u64>(GuestAddress(0x2000)).unwrap(), 7);
+        // Anonymous RAM has no file to hand over.
+        assert!(shared_ram_of(&create_guest_memory(16 << 20, false).unwrap()).is_none());
+    }
+
+    #[test]
+    fn backends_parse_and_a_file_holding_data_is_refused() {
+        assert_eq!(MemoryBackend::parse("anon").unwrap(), MemoryBackend::Anon);
+        assert_eq!(MemoryBackend::parse("memfd").unwrap(), MemoryBackend::Memfd);
+        assert!(MemoryBackend::parse("file:").is_err());
+        assert!(MemoryBackend::parse("huge").is_err());
+        let dir = std::env::temp_dir().join(format!("ferrovm-backend-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let used = dir.join("used");
+        std::fs::write(&used, b"data").unwrap();
+        let backend = MemoryBackend::parse(&format!("file:{}", used.display())).unwrap();
+        let err = create_guest_memory_from(16 << 20, false, RamSource::New(&backend))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("holds data already"), "{err}");
+        let fresh = MemoryBackend::File(dir.join("fresh"));
+        let mem = create_guest_memory_from(16 << 20, false, RamSource::New(&fresh)).unwrap();
+        assert!(shared_ram_of(&mem).is_some());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -124,7 +124,7 @@ pub fn add_virtio_devices(
     let build = BuildContext {
         memory: ctx.memory,
         start: match &config.start {
-            StartFrom::Incoming(_) => Start::Incoming,
+            StartFrom::Incoming(_) | StartFrom::IncomingLocal(_) => Start::Incoming,
             StartFrom::Restore(_) => Start::Restore {
                 images_may_change: config.restore_allow_changed_disks,
             },

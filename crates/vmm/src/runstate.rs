@@ -105,19 +105,37 @@ pub struct MigrationCancel {
 
 #[derive(Default)]
 struct CancelInner {
-    stream: Option<TcpStream>,
+    stream: Option<CancelStream>,
     final_state_sent: bool,
+}
+
+/// A migration's connection: TCP, or a Unix socket for a local update.
+pub enum CancelStream {
+    Tcp(TcpStream),
+    Unix(std::os::unix::net::UnixStream),
+}
+
+impl From<TcpStream> for CancelStream {
+    fn from(s: TcpStream) -> Self {
+        CancelStream::Tcp(s)
+    }
+}
+
+impl From<std::os::unix::net::UnixStream> for CancelStream {
+    fn from(s: std::os::unix::net::UnixStream) -> Self {
+        CancelStream::Unix(s)
+    }
 }
 
 impl MigrationCancel {
     /// The migration's connection, for [`MigrationCancel::cancel`] to shut down. Fails if
     /// the migration was cancelled already.
-    pub fn attach(&self, stream: TcpStream) -> Result<()> {
+    pub fn attach(&self, stream: impl Into<CancelStream>) -> Result<()> {
         let mut inner = lock(&self.inner);
         if self.is_cancelled() {
             return Err(Error::Migration("cancelled".into()));
         }
-        inner.stream = Some(stream);
+        inner.stream = Some(stream.into());
         Ok(())
     }
 
@@ -139,9 +157,11 @@ impl MigrationCancel {
             ));
         }
         self.cancelled.store(true, Ordering::Release);
-        if let Some(stream) = &inner.stream {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
+        let _ = match &inner.stream {
+            Some(CancelStream::Tcp(s)) => s.shutdown(Shutdown::Both),
+            Some(CancelStream::Unix(s)) => s.shutdown(Shutdown::Both),
+            None => Ok(()),
+        };
         Ok(())
     }
 }

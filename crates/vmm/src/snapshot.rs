@@ -31,7 +31,7 @@ const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a new connection to `--incoming` may take to send its configuration.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A destination that stops reading or answering for this long is treated as gone.
-const PEER_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn mig_err(what: &str) -> impl Fn(migration::Error) -> Error + '_ {
     move |e| Error::Migration(format!("{what}: {e}"))
@@ -115,7 +115,7 @@ impl Core {
     /// restore, fails if a page of the snapshot proved bad (the guest is being stopped).
     /// Pages not loaded yet are read through guest memory, which installs them verified, so
     /// corrupt data never gets a fresh checksum.
-    fn check_can_save(&self) -> Result<()> {
+    pub(crate) fn check_can_save(&self) -> Result<()> {
         self.irqchip.check_can_save()?;
         if let Some(m) = self.restored.get() {
             m.check_intact()?;
@@ -218,7 +218,7 @@ impl Core {
     }
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
@@ -259,7 +259,7 @@ pub fn report_json(r: &MigrationReport) -> Value {
 }
 
 /// The engine's progress as the API reports it.
-fn api_progress(p: &Progress) -> api::MigrationProgress {
+pub(crate) fn api_progress(p: &Progress) -> api::MigrationProgress {
     api::MigrationProgress {
         round: p.round.into(),
         bytes_sent: p.bytes_sent,
@@ -329,11 +329,10 @@ impl MachineOps for Core {
         cancel: &MigrationCancel,
         progress: &mut dyn FnMut(api::MigrationProgress),
     ) -> Result<api::MigrationReport> {
-        let here = if paused {
-            "the guest stays paused here"
-        } else {
-            "the guest keeps running here"
-        };
+        let here = where_guest_stays(paused);
+        if let Some(path) = crate::local::unix_path(&request.destination) {
+            return self.migrate_local(&path, request, paused, cancel, progress);
+        }
         let addr = parse_tcp(&request.destination, "destination")?;
         self.check_can_save()
             .map_err(|e| Error::Migration(format!("{e} ({here})")))?;
@@ -363,6 +362,32 @@ impl MachineOps for Core {
         let lanes = connect_lanes(&addr, request.connections, here)?;
         let result = self.migrate_over(stream, lanes, &addr, request, paused, cancel, progress);
         self.control.set_throttle(0);
+        self.outcome_of(result, &addr, here, cancel)
+    }
+
+    fn resume_devices(&self, take_back: bool) -> Result<()> {
+        self.resume_devices_for(take_back)
+    }
+}
+
+/// What the API says of a guest whose migration failed.
+pub(crate) fn where_guest_stays(paused: bool) -> &'static str {
+    if paused {
+        "the guest stays paused here"
+    } else {
+        "the guest keeps running here"
+    }
+}
+
+impl Core {
+    /// The API's answer for the migration engine's result.
+    pub(crate) fn outcome_of(
+        &self,
+        result: migration::Result<MigrationReport>,
+        addr: &str,
+        here: &str,
+        cancel: &MigrationCancel,
+    ) -> Result<api::MigrationReport> {
         match result {
             // The destination runs the guest now; the API ends this copy once the reply is
             // written (the guest stays paused until then).
@@ -381,12 +406,6 @@ impl MachineOps for Core {
         }
     }
 
-    fn resume_devices(&self, take_back: bool) -> Result<()> {
-        self.resume_devices_for(take_back)
-    }
-}
-
-impl Core {
     /// [`MachineOps::resume_devices`]. Taking the guest back, the locks come first, so that
     /// a refusal leaves the devices paused; locks taken before one was refused are let go
     /// again (the other copy writes).
@@ -428,9 +447,7 @@ impl Core {
         let mut live_dirty;
         let mut warm_dirty;
         let dirty: &mut dyn DirtySource = if warm {
-            warm_dirty = NothingDirty {
-                region_pages: self.regions.iter().map(|r| r.size / PAGE_SIZE).collect(),
-            };
+            warm_dirty = NothingDirty::of(&self.regions);
             &mut warm_dirty
         } else {
             live_dirty = VmDirty {
@@ -442,12 +459,7 @@ impl Core {
             };
             &mut live_dirty
         };
-        let mut control = VmPause {
-            core: self,
-            captured: None,
-            paused: false,
-            was_paused: paused,
-        };
+        let mut control = VmPause::new(self, paused);
         if warm {
             // Warm migration: the guest stays paused from the first page to the hand-over.
             control.captured = Some(
@@ -575,6 +587,7 @@ fn params_of(request: &MigrateRequest) -> migration::Result<MigrationParams> {
         max_time: request.max_time_s.map(Duration::from_secs),
         auto_converge: request.auto_converge,
         compression,
+        shared_ram: false,
     })
 }
 
@@ -699,8 +712,16 @@ fn add_device_writes(memory: &GuestMemory, guest_addr: u64, bits: &mut [u64]) {
 fn add_device_writes(_memory: &GuestMemory, _guest_addr: u64, _bits: &mut [u64]) {}
 
 /// Warm migration: the guest is paused before the first page is sent, so nothing changes.
-struct NothingDirty {
+pub(crate) struct NothingDirty {
     region_pages: Vec<u64>,
+}
+
+impl NothingDirty {
+    pub(crate) fn of(regions: &[MemoryRegion]) -> Self {
+        NothingDirty {
+            region_pages: regions.iter().map(|r| r.size / PAGE_SIZE).collect(),
+        }
+    }
 }
 
 impl DirtySource for NothingDirty {
@@ -715,12 +736,24 @@ impl DirtySource for NothingDirty {
     fn stop_tracking(&mut self) {}
 }
 
-struct VmPause<'a> {
+pub(crate) struct VmPause<'a> {
     core: &'a Core,
     captured: Option<Vec<VcpuState>>,
     paused: bool,
     /// The guest was paused before the migration: it stays paused whatever happens.
     was_paused: bool,
+}
+
+impl<'a> VmPause<'a> {
+    /// Control of `core`'s guest, found running or (`was_paused`) paused by the operator.
+    pub(crate) fn new(core: &'a Core, was_paused: bool) -> Self {
+        VmPause {
+            core,
+            captured: None,
+            paused: false,
+            was_paused,
+        }
+    }
 }
 
 impl VmControl for VmPause<'_> {
@@ -874,10 +907,38 @@ pub struct Incoming {
 /// The destination's reply channel, watched for its first frame: until the destination has
 /// accepted the source's configuration (`Ready`), no guest page has been written.
 pub struct ReplyChannel {
-    stream: TcpStream,
+    stream: Box<dyn ReplyStream>,
     first_frame_seen: bool,
     /// Set when the first frame written is `Ready`.
     accepted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// A connection the destination replies on: TCP, or a local update's Unix socket.
+pub trait ReplyStream: std::io::Write + Send {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()>;
+}
+
+impl ReplyStream for TcpStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_read_timeout(self, timeout)
+    }
+}
+
+impl ReplyStream for std::os::unix::net::UnixStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
+    }
+}
+
+impl ReplyChannel {
+    /// Replies of a local update (its configuration was accepted with the hand-off).
+    pub fn local(stream: std::os::unix::net::UnixStream) -> Self {
+        ReplyChannel {
+            stream: Box::new(stream),
+            first_frame_seen: true,
+            accepted: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        }
+    }
 }
 
 /// The `Ready` frame's kind byte (docs/migration.md).
@@ -917,7 +978,7 @@ pub fn receive_migration(
         log::info!("incoming migration from {peer}");
         let accepted = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let reply = ReplyChannel {
-            stream: stream.try_clone()?,
+            stream: Box::new(stream.try_clone()?),
             first_frame_seen: false,
             accepted: accepted.clone(),
         };

@@ -443,13 +443,13 @@ impl PreBoot {
     }
 
     fn receive(&mut self, r: ReceiveMigrationRequest) -> PreBootReply {
-        let address = match crate::parse_tcp(&r.receiver_url, "receiver_url") {
-            Ok(a) => a,
+        let start = match crate::incoming_start(&r.receiver_url, "receiver_url") {
+            Ok(start) => start,
             Err(e) => return PreBootReply::Now(bad(e.to_string())),
         };
         // The machine must be the source's: vCPUs and memory as PUT /machine-config set them.
         let mut config = self.base.clone();
-        config.start = StartFrom::Incoming(address);
+        config.start = start;
         config.cpus = self.machine.vcpu_count;
         config.memory = self.machine.mem_size_mib * MIB;
         config.memory_text = format!("{}M", self.machine.mem_size_mib);

@@ -195,10 +195,11 @@ pub struct PostcopyFigures {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
-    /// `tcp:HOST:PORT`.
+    /// `tcp:HOST:PORT`, or `unix:PATH` for a local update.
     #[serde(rename = "destination_url", alias = "destination")]
     pub destination: String,
-    /// Cloud Hypervisor's same-host migration: only `false`.
+    /// Cloud Hypervisor's same-host migration: with a `unix:PATH` destination (which is a
+    /// local update either way).
     #[serde(default)]
     pub local: bool,
     /// Bytes per second.

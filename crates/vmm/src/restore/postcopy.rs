@@ -95,6 +95,13 @@ pub fn start(
     memory: &GuestMemory,
     exit: &Arc<ExitRequest>,
 ) -> io::Result<Arc<Postcopy>> {
+    // Dropping a stale page (MADV_DONTNEED) leaves shared memory's copy in place, so a
+    // missing page would never fault: post-copy needs anonymous guest RAM.
+    if crate::memory::shared_ram_of(memory).is_some() {
+        return Err(io::Error::other(
+            "post-copy needs anonymous guest RAM on the destination (--memory-backend anon)",
+        ));
+    }
     let uffd = open_userfaultfd()
         .map_err(|e| io::Error::other(format!("post-copy needs a userfaultfd: {e}")))?;
     let spans = super::ram_spans(memory)?;
