@@ -13,6 +13,7 @@ mod chain;
 mod image;
 mod kind;
 mod options;
+#[cfg(target_os = "linux")]
 mod ordered;
 mod qcow2;
 #[cfg(all(test, target_os = "linux"))]

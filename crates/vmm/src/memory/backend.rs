@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+#[cfg(target_os = "linux")]
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::config::MIB;
