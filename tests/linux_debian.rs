@@ -1,7 +1,8 @@
 //! Debian under ferrovm: the Debian bookworm image (`make debian-image`,
-//! guests/linux/debian/) boots the test kernel to a login prompt on the serial console with
-//! 1 and 2 vCPUs; a person logs in through a real terminal, uses the system and powers it
-//! off; the disk is clean afterwards and holds what they wrote.
+//! guests/linux/debian/) boots to a login prompt on the serial console, directly from the
+//! test kernel with 1 and 2 vCPUs and through SeaBIOS and extlinux; a person logs in
+//! through a real terminal, uses the system and powers it off; the disk is clean afterwards
+//! and holds what they wrote.
 //!
 //! Each boot takes minutes on this project's hosts (guest ring 0 is emulated), so these
 //! tests are not part of `make test`: `make test-linux` runs them (`--ignored`).
@@ -113,7 +114,8 @@ fn log_in(term: &Terminal, start: Instant, how: &str) -> usize {
 }
 
 /// Types `command` at the shell's prompt (line `prompt`) and returns the lines it printed
-/// up to the next prompt, and that prompt's index.
+/// up to the next prompt, and that prompt's index. The serial console has no size, so bash
+/// wraps at 80 columns by redrawing the line: the prompt and `command` must fit in 80.
 fn run_command(term: &Terminal, prompt: usize, command: &str) -> (Vec<String>, usize) {
     term.type_line(command);
     let echoed = term.wait_for_line(prompt, BOOT_LIMIT, command, |l| l.ends_with(command));
@@ -154,14 +156,14 @@ fn log_in_and_use(cpus: u32) {
     assert_eq!(nproc, [cpus.to_string()]);
     prompt = next;
 
-    write_and_power_off(&term, &disk, prompt, &format!("{cpus} vCPU(s)"));
+    write_and_power_off(&term, &disk, prompt, &format!("vcpus={cpus}"));
 }
 
 /// At the shell's prompt (line `prompt`): writes a note naming `how` the machine booted to
 /// /root/note.txt, `sync`s and powers off; ferrovm ends with status 0 and the host finds
 /// the file system clean with the note in it.
 fn write_and_power_off(term: &Terminal, disk: &ImageCopy, prompt: usize, how: &str) {
-    let note = format!("written on {how} by test {}", std::process::id());
+    let note = format!("{how} {}", std::process::id());
     run_command(
         term,
         prompt,
@@ -182,4 +184,30 @@ fn debian_1_vcpu_login_on_the_serial_console() {
 #[ignore = "Linux guest: make test-linux"]
 fn debian_2_vcpus_login_on_the_serial_console() {
     log_in_and_use(2);
+}
+
+/// Without `--kernel`, SeaBIOS boots the same image from its first sector: extlinux loads
+/// `/boot/vmlinuz` (the test kernel's bzImage) with the command line of its
+/// `extlinux.conf`, and the same login prompt comes up on the serial console.
+#[test]
+#[ignore = "Linux guest: make test-linux"]
+fn debian_boots_through_seabios_and_extlinux() {
+    require_kvm();
+    let disk = ImageCopy::new("firmware");
+    let command = [FERROVM, "run", "--disk", &disk.arg(), "--memory", "256M"].map(String::from);
+    let start = Instant::now();
+    let term = Terminal::start("debian-bios", &command);
+    let seabios = term.wait_for("SeaBIOS (version", BOOT_LIMIT);
+    term.wait_for_line(seabios, BOOT_LIMIT, "the boot loader's banner", |l| {
+        l.starts_with("SYSLINUX ") || l.starts_with("EXTLINUX ")
+    });
+    let prompt = log_in(&term, start, "SeaBIOS and extlinux");
+    let (cmdline, prompt) = run_command(&term, prompt, "cat /proc/cmdline");
+    assert!(
+        cmdline
+            .iter()
+            .any(|l| l.starts_with("BOOT_IMAGE=/boot/vmlinuz root=/dev/vda rw console=ttyS0")),
+        "{cmdline:?}"
+    );
+    write_and_power_off(&term, &disk, prompt, "firmware");
 }
