@@ -1,8 +1,8 @@
 //! Debian under ferrovm: the Debian bookworm image (`make debian-image`,
 //! guests/linux/debian/) boots to a login prompt on the serial console, directly from the
 //! test kernel with 1 and 2 vCPUs and through SeaBIOS and extlinux; a person logs in
-//! through a real terminal, uses the system and powers it off; the disk is clean afterwards
-//! and holds what they wrote.
+//! through a real terminal, uses the system (and the network: a ping to the host over
+//! virtio-net) and powers it off; the disk is clean afterwards and holds what they wrote.
 //!
 //! Each boot takes minutes on this project's hosts (guest ring 0 is emulated), so these
 //! tests are not part of `make test`: `make test-linux` runs them (`--ignored`).
@@ -210,4 +210,30 @@ fn debian_boots_through_seabios_and_extlinux() {
         "{cmdline:?}"
     );
     write_and_power_off(&term, &disk, prompt, "firmware");
+}
+
+/// The image's static network configuration on a virtio-net device whose tap lives in a
+/// network namespace of its own, the host's end at 10.0.2.2: a person logs in and pings it.
+#[test]
+#[ignore = "Linux guest: make test-linux"]
+fn debian_pings_the_host_over_virtio_net() {
+    require_kvm();
+    let ns = format!("ferrovm-debian-{}", std::process::id());
+    tap_namespace(&ns, "debtap0", false, None);
+    let disk = ImageCopy::new("net");
+    let mut command = ["ip", "netns", "exec", &ns, FERROVM]
+        .map(String::from)
+        .to_vec();
+    command.extend(kernel_args(1, DEBIAN_CMDLINE));
+    command.extend(["--disk", &disk.arg(), "--net", "tap=debtap0"].map(String::from));
+    let term = Terminal::start("debian-net", &command);
+    let prompt = log_in(&term, Instant::now(), "virtio-net");
+    let (ping, prompt) = run_command(&term, prompt, "ping -c 3 10.0.2.2");
+    write_and_power_off(&term, &disk, prompt, "net");
+    let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+    assert!(
+        ping.iter()
+            .any(|l| l.starts_with("3 packets transmitted, 3 received")),
+        "{ping:?}"
+    );
 }
