@@ -7,6 +7,7 @@ SHELL := /bin/bash
 #   make check-freebsd  type-checks and lints the workspace for FreeBSD (needs the Rust target)
 #   make fuzz   coverage-guided fuzzing of the untrusted-input parsers (AFL++; docs/testing.md)
 #   make linux  the Linux test guest: kernel and initramfs in target/linux (guests/linux/README.md)
+#   make debian-image  a Debian bookworm root disk for that kernel, target/linux/debian.img (root)
 #   make test-linux  boots it under ferrovm: SMP, both irqchips, drivers, devices, power, login (minutes)
 
 CARGO ?= cargo
@@ -101,7 +102,7 @@ soak: build
 # (cached outside the work tree: the first build takes minutes, later ones copy it) and a
 # busybox initramfs, in target/linux.
 LINUX_DIR := target/linux
-.PHONY: linux linux-deps test-linux
+.PHONY: linux linux-deps test-linux debian-image
 linux-deps:
 	@./scripts/install-linux-deps.sh
 
@@ -109,16 +110,21 @@ linux: linux-deps
 	./scripts/linux-kernel.sh $(LINUX_DIR)
 	./scripts/linux-initramfs.sh $(LINUX_DIR)
 
+# Debian bookworm on a 1 GiB ext4 disk (guests/linux/debian/README.md): debootstrap from
+# Debian's mirror, cached outside the work tree like the kernel. Needs root.
+debian-image: linux
+	./scripts/debian-image.sh $(LINUX_DIR)
+
 # The Linux boot tests (tests/linux.rs; docs/linux-guest.md): every boot takes minutes on a
 # host that emulates guest ring 0, so they are a target of their own. One boot at a time:
 # an SMP guest whose vCPUs outnumber the host's cores spends its time spinning on CPUs that
 # are not running. The release build of ferrovm runs them (LINUX_TEST_THREADS changes it).
 LINUX_TEST_THREADS ?= 1
-test-linux: deps guests linux fcsdk check-kvm
+test-linux: deps guests linux debian-image fcsdk check-kvm
 	$(CARGO) build --release --workspace
 	@set -o pipefail; \
 	FERROVM_LINUX=$(CURDIR)/$(LINUX_DIR) FERROVM_GUESTS=$(CURDIR)/$(GUESTS_DIR) FERROVM_FCSDK=$(CURDIR)/$(FCSDK) \
-		$(CARGO) test --release -p ferrovm --test linux --test linux_devices --test fcsdk -- --ignored --test-threads=$(LINUX_TEST_THREADS) 2>&1 \
+		$(CARGO) test --release -p ferrovm --test linux --test linux_devices --test linux_debian --test fcsdk -- --ignored --test-threads=$(LINUX_TEST_THREADS) 2>&1 \
 		| tee target/test-linux.log
 
 # Coverage-guided fuzzing (not part of `make test`): each target of fuzz/ for FUZZ_SECONDS

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs what `make linux` needs, if it is missing: Debian's kernel source package, the
-# kernel's build tools (flex, bison, bc, libelf for objtool, OpenSSL headers, lz4 for the
-# bzImage payload) and busybox-static, cpio and musl-tools for the initramfs.
+# Installs what `make linux` and `make debian-image` need, if it is missing: Debian's kernel
+# source package, the kernel's build tools (flex, bison, bc, libelf for objtool, OpenSSL
+# headers, lz4 for the bzImage payload), busybox-static, cpio and musl-tools for the
+# initramfs, and debootstrap and extlinux for the Debian image.
 set -euo pipefail
 
 need_apt=()
@@ -22,6 +23,11 @@ command -v musl-gcc >/dev/null || need_apt+=(musl-tools)
 # busybox-static replaces the dynamically linked `busybox` package.
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' \
     || need_apt+=(busybox-static)
+# The Debian image: debootstrap makes its root from Debian's packages, extlinux (with
+# syslinux-common's modules) makes it bootable by firmware; mkfs.ext4 comes with e2fsprogs.
+command -v debootstrap >/dev/null || need_apt+=(debootstrap)
+command -v extlinux >/dev/null || need_apt+=(extlinux)
+[ -d /usr/lib/syslinux/modules/bios ] || need_apt+=(syslinux-common)
 # What the Linux boot tests drive the guest and check its results with: a terminal (tmux) a
 # person's login is typed into, curl for the API, e2fsprogs for the guest's filesystems.
 command -v tmux >/dev/null || need_apt+=(tmux)

@@ -14,6 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::linux::*;
+use common::terminal::Terminal;
 use common::*;
 
 /// `ferrovm run` arguments for the test kernel with `cpus` vCPUs under `irqchip`.
@@ -267,68 +268,22 @@ fn linux_ctrl_alt_del_from_the_api_reboots() {
     assert!(text.contains("reboot: Restarting system"), "{text}");
 }
 
-/// Runs `tmux ARGS...` and returns its standard output.
-fn tmux(args: &[&str]) -> String {
-    let out = Command::new("tmux").args(args).output().expect("tmux");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// A person at a terminal: ferrovm runs in a tmux pane with the serial console on its
 /// standard input and output; the test reads the screen and types as a person would.
 #[test]
 #[ignore = "Linux guest: make test-linux"]
 fn linux_login_on_the_serial_console_through_a_terminal() {
     require_kvm();
-    let session = format!("ferrovm-login-{}", std::process::id());
-    let command = std::iter::once(FERROVM.to_string())
-        .chain(linux_args(2, "split", ""))
-        .map(|a| format!("'{a}'"))
-        .collect::<Vec<_>>()
-        .join(" ");
-    let status_file = std::env::temp_dir().join(format!("{session}.status"));
-    let shell = format!("{command}; echo $? > {}", status_file.display());
-    tmux(&[
-        "new-session",
-        "-d",
-        "-s",
-        &session,
-        "-x",
-        "160",
-        "-y",
-        "50",
-        &shell,
-    ]);
-    let screen = || tmux(&["capture-pane", "-p", "-t", &session, "-S", "-200"]);
-    let wait_for = |needle: &str| {
-        let start = Instant::now();
-        while !screen().contains(needle) {
-            assert!(
-                start.elapsed() < BOOT_LIMIT,
-                "never saw {needle:?}:\n{}",
-                screen()
-            );
-            std::thread::sleep(Duration::from_millis(300));
-        }
-    };
-    let type_line = |text: &str| {
-        tmux(&["send-keys", "-t", &session, "-l", text]);
-        tmux(&["send-keys", "-t", &session, "Enter"]);
-    };
-    wait_for("ferrovm login:");
-    type_line("root");
-    wait_for("Password:");
-    type_line("ferrovm");
-    wait_for("root@ferrovm:~#");
-    type_line("echo product=$((6 * 7)) cpus=$(grep -c ^processor /proc/cpuinfo)");
-    wait_for("product=42 cpus=2");
-    type_line("poweroff");
-    let start = Instant::now();
-    while !status_file.exists() {
-        assert!(start.elapsed() < BOOT_LIMIT, "no exit:\n{}", screen());
-        std::thread::sleep(Duration::from_millis(300));
-    }
-    let status = std::fs::read_to_string(&status_file).unwrap();
-    let _ = std::fs::remove_file(&status_file);
-    tmux(&["kill-session", "-t", &session]);
-    assert_eq!(status.trim(), "0");
+    let mut command = vec![FERROVM.to_string()];
+    command.extend(linux_args(2, "split", ""));
+    let term = Terminal::start("login", &command);
+    term.wait_for("ferrovm login:", BOOT_LIMIT);
+    term.type_line("root");
+    term.wait_for("Password:", BOOT_LIMIT);
+    term.type_line("ferrovm");
+    term.wait_for("root@ferrovm:~#", BOOT_LIMIT);
+    term.type_line("echo product=$((6 * 7)) cpus=$(grep -c ^processor /proc/cpuinfo)");
+    term.wait_for("product=42 cpus=2", BOOT_LIMIT);
+    term.type_line("poweroff");
+    assert_eq!(term.wait_exit(BOOT_LIMIT), "0");
 }

@@ -4,6 +4,7 @@
 
 pub mod linux;
 pub mod relay;
+pub mod terminal;
 pub mod vsock;
 
 use std::io::Read;

@@ -14,6 +14,7 @@
 //! On hosts with hardware virtualisation of ring 0 (VT-x, AMD-V) this path is never taken.
 
 mod context;
+mod iret;
 mod paging;
 mod scalar;
 mod x87;
@@ -61,10 +62,12 @@ impl From<hypervisor::HypervisorError> for Failure {
     }
 }
 
-/// The result of one instruction's semantics: done (RIP moves on), or an exception the
-/// guest must see instead (RIP stays on the instruction for faults).
+/// The result of one instruction's semantics: done (RIP moves on), done with RIP set by
+/// the instruction (a return), or an exception the guest must see instead (RIP stays on
+/// the instruction for faults).
 pub enum Outcome {
     Done,
+    Jumped,
     Exception(Exception),
 }
 
@@ -139,6 +142,7 @@ impl Completer {
         };
         match outcome {
             Ok(Outcome::Done) => ctx.finish(insn.len() as u64),
+            Ok(Outcome::Jumped) => ctx.finish(0),
             Ok(Outcome::Exception(e)) => ctx.raise(e, insn.len() as u64),
             Err(Failure::Unsupported(why)) => return Err(refuse(why)),
             Err(Failure::Vcpu(e)) => return Err(refuse(format!("vCPU state: {e}"))),
@@ -231,6 +235,9 @@ fn execute(ctx: &mut Context, insn: &Instruction) -> Step {
         return step;
     }
     if let Some(step) = scalar::execute(ctx, insn) {
+        return step;
+    }
+    if let Some(step) = iret::execute(ctx, insn) {
         return step;
     }
     Err(Failure::Unsupported(

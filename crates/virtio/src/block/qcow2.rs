@@ -264,9 +264,6 @@ fn image_error(path: &Path, kind: ImageErrorKind, what: impl Into<String>) -> Im
     }
 }
 
-/// A backing file kept open: its descriptor holds the shared lock for as long as the image
-/// it backs is open.
-
 #[cfg(target_os = "linux")]
 mod driver;
 #[cfg(target_os = "linux")]

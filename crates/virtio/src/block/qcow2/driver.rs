@@ -21,6 +21,8 @@ type Storage = OrderedFile;
 /// An image of any format, as a backing file of another.
 type Layer = Arc<FormatAccess<Storage>>;
 
+/// A backing file kept open: its descriptor holds the shared lock for as long as the image
+/// it backs is open.
 #[derive(Debug)]
 struct BackingFile {
     _lock_holder: File,
