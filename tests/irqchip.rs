@@ -130,7 +130,7 @@ fn both_modes_save_one_irqchip_state_and_restore_it() {
         source.shut_down();
 
         let machine = saved_state(&snap);
-        assert_eq!(machine["format"], 3);
+        assert_eq!(machine["format"], 4);
         assert!(machine.get("kernel_irqchip").is_none(), "written no more");
         let devices = machine["devices"].as_object().unwrap();
         assert!(!devices.contains_key("split_irqchip"), "written no more");

@@ -14,6 +14,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use common::linux::*;
+use common::socket_console::SocketConsole;
 use common::terminal::Terminal;
 use common::*;
 
@@ -213,13 +214,34 @@ fn debian_boots_through_seabios_and_extlinux() {
 }
 
 /// The image's static network configuration on a virtio-net device whose tap lives in a
-/// network namespace of its own, the host's end at 10.0.2.2: a person logs in and pings it.
+/// network namespace of its own, the host's end at 10.0.2.2: a person logs in, pings it, and
+/// moves 256 KiB over TCP both ways with bash's `/dev/tcp`: the guest's checksum of what it
+/// received is the host's, and what it sends back is what the host sent.
 #[test]
 #[ignore = "Linux guest: make test-linux"]
-fn debian_pings_the_host_over_virtio_net() {
+fn debian_pings_and_moves_tcp_over_virtio_net() {
+    use std::io::{Read, Write};
     require_kvm();
     let ns = format!("ferrovm-debian-{}", std::process::id());
     tap_namespace(&ns, "debtap0", false, None);
+    let (to_guest, from_guest) = in_namespace(&ns, || {
+        let bind = |port| std::net::TcpListener::bind(("10.0.2.2", port)).unwrap();
+        (bind(5001), bind(5002))
+    });
+    let data: Vec<u8> = (0..256u32 << 10)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let sent = data.clone();
+    let sender = std::thread::spawn(move || {
+        let (mut stream, _) = to_guest.accept().unwrap();
+        stream.write_all(&sent).unwrap();
+    });
+    let receiver = std::thread::spawn(move || {
+        let (mut stream, _) = from_guest.accept().unwrap();
+        let mut back = Vec::new();
+        stream.read_to_end(&mut back).unwrap();
+        back
+    });
     let disk = ImageCopy::new("net");
     let mut command = ["ip", "netns", "exec", &ns, FERROVM]
         .map(String::from)
@@ -229,6 +251,9 @@ fn debian_pings_the_host_over_virtio_net() {
     let term = Terminal::start("debian-net", &command);
     let prompt = log_in(&term, Instant::now(), "virtio-net");
     let (ping, prompt) = run_command(&term, prompt, "ping -c 3 10.0.2.2");
+    let (_, prompt) = run_command(&term, prompt, "cat </dev/tcp/10.0.2.2/5001 >rx.bin");
+    let (sum, prompt) = run_command(&term, prompt, "sha256sum rx.bin");
+    let (_, prompt) = run_command(&term, prompt, "cat rx.bin >/dev/tcp/10.0.2.2/5002");
     write_and_power_off(&term, &disk, prompt, "net");
     let _ = Command::new("ip").args(["netns", "del", &ns]).output();
     assert!(
@@ -236,4 +261,120 @@ fn debian_pings_the_host_over_virtio_net() {
             .any(|l| l.starts_with("3 packets transmitted, 3 received")),
         "{ping:?}"
     );
+    sender.join().unwrap();
+    let expected = format!("{}  rx.bin", sha256_hex(&data));
+    assert_eq!(sum, [expected], "the guest's checksum of what it received");
+    assert!(
+        receiver.join().unwrap() == data,
+        "the guest sent back other bytes"
+    );
+}
+
+/// The SHA-256 of `bytes` as sha256sum prints it.
+fn sha256_hex(bytes: &[u8]) -> String {
+    use std::io::Write;
+    let mut child = Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(bytes).unwrap();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8(out.stdout).unwrap()[..64].to_string()
+}
+
+/// A person logged in on `--serial socket:` with a command running: the machine is
+/// live-migrated to a second ferrovm, the session goes on on the destination's socket, the
+/// command finishes there with the right output, and the person powers the machine off.
+#[test]
+#[ignore = "Linux guest: make test-linux"]
+fn debian_session_survives_a_live_migration() {
+    require_kvm();
+    let disk = ImageCopy::new("migrate");
+    let (source_console, dest_console) = (disk.dir.join("source.sock"), disk.dir.join("dest.sock"));
+    let (source_api, dest_api) = (disk.dir.join("source.api"), disk.dir.join("dest.api"));
+    let mut args = kernel_args(1, DEBIAN_CMDLINE);
+    args.extend([
+        "--disk".into(),
+        disk.arg(),
+        "--serial".into(),
+        format!("socket:{}", source_console.display()),
+        "--api-socket".into(),
+        source_api.display().to_string(),
+    ]);
+    let mut source = Command::new(FERROVM).args(&args).spawn().unwrap();
+    let mut console = SocketConsole::connect(&source_console);
+    console.wait_for("debian login:");
+    console.type_line("root");
+    console.wait_for("Password:");
+    console.type_line(PASSWORD);
+    console.wait_for("root@debian:~#");
+    console.type_line("sleep 30; echo finished-$((6 * 7))");
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("tcp:127.0.0.1:{port}");
+    let dest_args = [
+        "run",
+        "--incoming",
+        &listen,
+        "--memory",
+        "256M",
+        "--disk",
+        &disk.arg(),
+        "--serial",
+        &format!("socket:{}", dest_console.display()),
+        "--api-socket",
+        dest_api.to_str().unwrap(),
+    ];
+    let mut dest = Command::new(FERROVM).args(dest_args).spawn().unwrap();
+    wait_for_path(&dest_api);
+    let migrated = ferrovm(
+        &[
+            "ctl",
+            "--api-socket",
+            source_api.to_str().unwrap(),
+            "migrate",
+            &listen,
+        ],
+        std::time::Duration::from_secs(300),
+    );
+    migrated.expect_status(0);
+    assert_eq!(
+        source.wait().unwrap().code(),
+        Some(0),
+        "the source ends once migrated"
+    );
+
+    let mut console = SocketConsole::connect(&dest_console);
+    console.wait_for("finished-42");
+    console.type_line("echo still-$((7 * 6)) > /root/note.txt && sync && poweroff");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = dest.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            start.elapsed() < BOOT_LIMIT,
+            "the destination never powered off"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(status.code(), Some(0));
+    assert_eq!(disk.expect_clean_with("/root/note.txt").trim(), "still-42");
+}
+
+fn wait_for_path(path: &Path) {
+    let start = Instant::now();
+    while !path.exists() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "{}",
+            path.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }

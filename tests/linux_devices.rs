@@ -23,6 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::linux::*;
+use common::socket_console::SocketConsole;
 use common::vsock::connect_into_guest;
 use common::*;
 
@@ -566,59 +567,6 @@ fn linux_virtio_balloon_gives_pages_back() {
         run.elapsed.as_secs_f64()
     );
 }
-/// The guest's console, read and typed on through the `--serial socket:` client.
-struct SocketConsole {
-    stream: std::os::unix::net::UnixStream,
-    seen: String,
-}
-
-impl SocketConsole {
-    fn connect(path: &Path) -> Self {
-        let start = Instant::now();
-        let stream = loop {
-            match std::os::unix::net::UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(e) => assert!(start.elapsed() < Duration::from_secs(30), "{e}"),
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        stream
-            .set_read_timeout(Some(Duration::from_millis(300)))
-            .unwrap();
-        SocketConsole {
-            stream,
-            seen: String::new(),
-        }
-    }
-
-    /// Reads until `needle` appears after what earlier waits consumed.
-    fn wait_for(&mut self, needle: &str) {
-        let start = Instant::now();
-        let mut buf = [0u8; 4096];
-        while !self.seen.contains(needle) {
-            assert!(
-                start.elapsed() < BOOT_LIMIT,
-                "never saw {needle:?}:\n{}",
-                self.seen
-            );
-            match self.stream.read(&mut buf) {
-                Ok(0) => panic!("the console closed before {needle:?}:\n{}", self.seen),
-                Ok(n) => self.seen.push_str(&String::from_utf8_lossy(&buf[..n])),
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-                Err(e) => panic!("console: {e}"),
-            }
-        }
-        let end = self.seen.find(needle).unwrap() + needle.len();
-        self.seen.drain(..end);
-    }
-
-    fn type_line(&mut self, text: &str) {
-        self.stream
-            .write_all(format!("{text}\r").as_bytes())
-            .unwrap();
-    }
-}
-
 /// A shell on hvc0: with `--console virtio --serial socket:PATH` the socket's client is the
 /// virtio console's input and output. Linux's getty runs on hvc0 (the kernel's only
 /// console); the client logs in, the shell says its terminal is /dev/hvc0 and echoes what

@@ -4,6 +4,7 @@
 
 pub mod linux;
 pub mod relay;
+pub mod socket_console;
 pub mod terminal;
 pub mod vsock;
 
