@@ -262,25 +262,12 @@ fn debian_pings_and_moves_tcp_over_virtio_net() {
         "{ping:?}"
     );
     sender.join().unwrap();
-    let expected = format!("{}  rx.bin", sha256_hex(&data));
+    let expected = format!("{}  rx.bin", sha256(&data));
     assert_eq!(sum, [expected], "the guest's checksum of what it received");
     assert!(
         receiver.join().unwrap() == data,
         "the guest sent back other bytes"
     );
-}
-
-/// The SHA-256 of `bytes` as sha256sum prints it.
-fn sha256_hex(bytes: &[u8]) -> String {
-    use std::io::Write;
-    let mut child = Command::new("sha256sum")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(bytes).unwrap();
-    let out = child.wait_with_output().unwrap();
-    String::from_utf8(out.stdout).unwrap()[..64].to_string()
 }
 
 /// A person logged in on `--serial socket:` with a command running: the machine is
@@ -311,12 +298,7 @@ fn debian_session_survives_a_live_migration() {
     console.wait_for("root@debian:~#");
     console.type_line("sleep 30; echo finished-$((6 * 7))");
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let listen = format!("tcp:127.0.0.1:{port}");
+    let listen = format!("tcp:127.0.0.1:{}", unused_port());
     let dest_args = [
         "run",
         "--incoming",
@@ -352,18 +334,8 @@ fn debian_session_survives_a_live_migration() {
     let mut console = SocketConsole::connect(&dest_console);
     console.wait_for("finished-42");
     console.type_line("echo still-$((7 * 6)) > /root/note.txt && sync && poweroff");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = dest.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            start.elapsed() < BOOT_LIMIT,
-            "the destination never powered off"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    };
-    assert_eq!(status.code(), Some(0));
+    let status = wait_child(&mut dest, BOOT_LIMIT);
+    assert_eq!(status, Some(0), "the destination powers off");
     assert_eq!(disk.expect_clean_with("/root/note.txt").trim(), "still-42");
 }
 

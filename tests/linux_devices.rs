@@ -67,19 +67,6 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
     out
 }
 
-/// SHA-256 of `bytes` in hex, as the guest's busybox `sha256sum` prints it.
-fn sha256(bytes: &[u8]) -> String {
-    let mut child = Command::new("sha256sum")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("sha256sum");
-    child.stdin.take().unwrap().write_all(bytes).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    String::from_utf8(out.stdout).unwrap()[..64].to_string()
-}
-
 /// Runs a host tool; panics with its output unless it exits 0.
 fn host_tool(program: &str, args: &[&str]) -> Vec<u8> {
     let out = Command::new(program)
@@ -600,17 +587,10 @@ fn linux_login_on_hvc0_through_the_serial_socket() {
     console.type_line("echo on=$(tty) product=$((6 * 7))");
     console.wait_for("on=/dev/hvc0 product=42");
     console.type_line("poweroff");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = vmm.try_wait().unwrap() {
-            break status;
-        }
-        assert!(start.elapsed() < BOOT_LIMIT, "no power-off");
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let status = wait_child(&mut vmm, BOOT_LIMIT);
     let mut stderr = String::new();
     let _ = vmm.stderr.take().unwrap().read_to_string(&mut stderr);
-    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert_eq!(status, Some(0), "{stderr}");
 }
 
 /// What a `disk-writers` block holds: its header, then zeros to 4 KiB.
@@ -771,16 +751,10 @@ impl Watched {
     }
 
     fn wait(&mut self) -> Option<i32> {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                // The reader thread has the last lines once the pipe closed.
-                std::thread::sleep(Duration::from_millis(200));
-                return status.code();
-            }
-            assert!(start.elapsed() < BOOT_LIMIT, "no exit");
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let code = wait_child(&mut self.child, BOOT_LIMIT);
+        // The reader thread has the last lines once the pipe closed.
+        std::thread::sleep(Duration::from_millis(200));
+        code
     }
 }
 
@@ -835,15 +809,6 @@ fn linux_snapshot_kill_and_restore_counts_on() {
     let count = String::from_utf8(ext4_file(&image, "/count")).unwrap();
     let expected: String = (1..=12).map(|n| format!("{n}\n")).collect();
     assert_eq!(count, expected, "/count is not 1..12 once each");
-}
-
-/// A port nobody listens on now.
-fn unused_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A destination VMM waiting for a migration on `listen` with the disk `image`; it listens

@@ -259,21 +259,6 @@ fn finish_vsock_echo(mut child: Child) {
     assert!(out.contains("bytes echoed back"), "{out}");
 }
 
-fn wait_child(child: &mut Child, limit: Duration) -> Option<i32> {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status.code();
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("ferrovm did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn bad_vsock_options_are_refused() {
     let dir = scratch("options");

@@ -251,3 +251,42 @@ pub fn in_namespace<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 
     .join()
     .unwrap()
 }
+
+/// Waits for `child` to end; kills it and fails the test after `limit`. Its exit code.
+pub fn wait_child(child: &mut std::process::Child, limit: Duration) -> Option<i32> {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status.code();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ferrovm did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The SHA-256 of `bytes` as `sha256sum` prints it.
+pub fn sha256(bytes: &[u8]) -> String {
+    use std::io::Write;
+    let mut child = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("sha256sum");
+    child.stdin.take().unwrap().write_all(bytes).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap()[..64].to_string()
+}
+
+/// A TCP port on 127.0.0.1 that nobody listens on now.
+pub fn unused_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
